@@ -1,0 +1,232 @@
+"""Training options: one dataclass, parsed from the command line and optionally a YAML file.
+
+    accelerate launch recipes/train.py --config my_run.yaml --lr 1e-3
+
+Precedence: dataclass default < YAML file (``--config``) < command line. The YAML file holds the
+same keys as the command-line options (without ``--``). Unknown options and unknown YAML keys are
+errors: a typo must never silently train with a default.
+
+The strategy (DDP, FSDP, DeepSpeed, mixed precision, number of processes) is *not* here: it comes
+from the accelerate launch config (``accelerate_configs/*.yaml``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Literal
+
+import yaml
+from transformers import HfArgumentParser
+
+PRESET_NAMES = ("debug", "tiny", "small", "1b", "8b")
+
+
+class ConfigError(ValueError):
+    """Bad user input (option, file, data). Recipes print it as one line and exit with code 2."""
+
+
+@dataclass
+class TrainConfig:
+    # --- run ---
+    config: str | None = field(
+        default=None, metadata={"help": "YAML file of options (same keys as the CLI); CLI wins."}
+    )
+    output_dir: str = field(default="outputs/run", metadata={"help": "Folder for run_summary.json and the model."})
+    seed: int = field(default=1234, metadata={"help": "Seed for init, data order and dropout."})
+
+    # --- model ---
+    preset: str = field(
+        default="tiny",
+        metadata={"help": f"Random-init Llama preset: {', '.join(PRESET_NAMES)}. Ignored with --model_name_or_path."},
+    )
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Local folder or Hub id of a causal LM to start from (its tokenizer too)."}
+    )
+    tokenizer_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Tokenizer (AutoTokenizer). Default: the model's, else a byte-level one (no download)."},
+    )
+    gradient_checkpointing: bool = field(
+        default=False, metadata={"help": "Recompute activations in backward: less memory, ~30% more compute."}
+    )
+
+    # --- data ---
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "Hub dataset id (or local dataset folder) for datasets.load_dataset."}
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
+    dataset_split: str = field(default="train", metadata={"help": "Split to train on; a held-out part is cut from it."})
+    data_files: list[str] | None = field(
+        default=None, metadata={"help": "Local .txt / .json / .jsonl files (one format per run)."}
+    )
+    text_column: str = field(default="text", metadata={"help": "Column holding the text in JSON/Hub data."})
+    synthetic_documents: int = field(
+        default=8000,
+        metadata={"help": "Documents in the embedded synthetic corpus (default source, ~250 bytes each)."},
+    )
+    eval_fraction: float = field(default=0.02, metadata={"help": "Fraction of documents held out for eval."})
+    seq_len: int = field(default=256, metadata={"help": "Tokens per training sequence (context length)."})
+    num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes per rank."})
+
+    # --- optimisation ---
+    micro_batch_size: int = field(default=16, metadata={"help": "Sequences per device per forward pass."})
+    grad_accum_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
+    max_steps: int = field(default=150, metadata={"help": "Optimizer steps to train."})
+    lr: float = field(default=3e-3, metadata={"help": "Peak learning rate."})
+    lr_schedule: Literal["cosine", "linear", "constant", "wsd"] = field(
+        default="cosine", metadata={"help": "Learning-rate schedule after warmup (transformers' implementations)."}
+    )
+    warmup_steps: int = field(default=15, metadata={"help": "Linear warmup, in optimizer steps."})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "Final LR as a fraction of --lr (cosine, wsd)."})
+    decay_fraction: float = field(default=0.2, metadata={"help": "wsd only: fraction of steps spent decaying."})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW decoupled weight decay (matrices only)."})
+    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
+    adam_beta2: float = field(default=0.95, metadata={"help": "AdamW beta2."})
+    adam_eps: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the global grad norm to this; 0 disables."})
+
+    # --- eval, logging, export ---
+    eval_every: int = field(default=50, metadata={"help": "Evaluate every N optimizer steps (and at 0 and end); 0 = never."})
+    eval_batches: int = field(default=0, metadata={"help": "Max eval batches per evaluation; 0 = the whole held-out split."})
+    log_every: int = field(default=10, metadata={"help": "Refresh the progress bar / log every N steps."})
+    save_model: bool = field(default=True, metadata={"help": "Write a Hugging Face folder (safetensors) at the end."})
+
+    def __post_init__(self):
+        # Checks that need no model and no data: they run before anything heavy.
+        if self.model_name_or_path is None and self.preset not in PRESET_NAMES:
+            raise ConfigError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESET_NAMES)}")
+        if self.data_files and self.dataset_name:
+            raise ConfigError("give either --data_files or --dataset_name, not both")
+        for path in self.data_files or []:
+            if not os.path.isfile(path):
+                raise ConfigError(f"data file not found: {path}")
+            if not _has_text(path):
+                raise ConfigError(f"data file is empty: {path}")
+        positive = ("seq_len", "micro_batch_size", "grad_accum_steps", "max_steps", "synthetic_documents")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise ConfigError(f"--eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        if self.warmup_steps < 0 or self.warmup_steps > self.max_steps:
+            raise ConfigError(f"--warmup_steps must be in [0, max_steps={self.max_steps}], got {self.warmup_steps}")
+        if self.lr <= 0:
+            raise ConfigError(f"--lr must be positive, got {self.lr}")
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.micro_batch_size * self.seq_len
+
+
+def _has_text(path: str, chunk: int = 1 << 16) -> bool:
+    """True once a non-whitespace byte is found; reads only as far as it must."""
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            if block.strip():
+                return True
+    return False
+
+
+def run_cli(main, argv: list[str] | None = None) -> int:
+    """Run a recipe's main(); bad input becomes one line on stderr and exit code 2."""
+    try:
+        main(argv)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+class _OneLineErrorParser(HfArgumentParser):
+    """argparse prints usage plus the error and exits; we raise so the recipe prints one line."""
+
+    def error(self, message):
+        raise ConfigError(message)
+
+
+def _yaml_to_argv(path: str) -> list[str]:
+    """Turn a YAML mapping into CLI tokens, so YAML values get the same type checks as the CLI."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f)
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        line = f" (line {where.line + 1})" if where is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"bad YAML in {path}{line}: {problem}") from None
+    if values is None:
+        return []
+    if not isinstance(values, dict):
+        raise ConfigError(f"bad YAML in {path}: expected a mapping of option: value, got {type(values).__name__}")
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    argv = []
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(f"unknown option {key!r} in {path}")
+        if key == "config":
+            raise ConfigError(f"{path}: a config file cannot name another config file")
+        if value is None:
+            continue
+        argv.append(f"--{key}")
+        if isinstance(value, list):
+            argv.extend(str(v) for v in value)
+        elif isinstance(value, bool):
+            argv.append("true" if value else "false")
+        else:
+            argv.append(str(value))
+    return argv
+
+
+def parse_config(argv: list[str] | None = None) -> TrainConfig:
+    """Parse CLI (and the YAML it names) into a validated TrainConfig; raise ConfigError on bad input."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _OneLineErrorParser(TrainConfig)
+    first, _ = parser.parse_known_args(argv)
+    yaml_argv = _yaml_to_argv(first.config) if first.config else []
+    # YAML first, CLI after: argparse keeps the last occurrence, so the CLI overrides the file.
+    cfg, remaining = parser.parse_args_into_dataclasses(
+        args=yaml_argv + argv, return_remaining_strings=True, look_for_args_file=False
+    )
+    if remaining:
+        raise ConfigError(f"unknown option(s): {' '.join(remaining)} (see --help)")
+    return cfg
+
+
+def describe_setup(cfg: TrainConfig, accelerator, extra: dict | None = None) -> str:
+    """The one block printed at start: what really runs, and the global batch it implies."""
+    world = accelerator.num_processes
+    seqs = cfg.micro_batch_size * cfg.grad_accum_steps * world
+    lines = [
+        "=" * 72,
+        f"distributed_type : {accelerator.distributed_type.value}",
+        f"world_size       : {world}",
+        f"mixed_precision  : {accelerator.mixed_precision}",
+        f"device           : {accelerator.device}",
+        f"global batch     : {seqs} sequences = {cfg.micro_batch_size} micro x {cfg.grad_accum_steps} accum"
+        f" x {world} ranks; {seqs * cfg.seq_len:,} tokens (seq_len {cfg.seq_len})",
+    ]
+    for key, value in (extra or {}).items():
+        lines.append(f"{key:<17}: {value}")
+    lines.append("options          : " + json.dumps(dataclasses.asdict(cfg), sort_keys=True))
+    lines.append("=" * 72)
+    return "\n".join(lines)
+
+
+def setup_facts(cfg: TrainConfig, accelerator) -> dict:
+    """The resolved setup as plain data, for run_summary.json (and later, checkpoints)."""
+    world = accelerator.num_processes
+    return {
+        "options": dataclasses.asdict(cfg),
+        "distributed_type": accelerator.distributed_type.value,
+        "world_size": world,
+        "mixed_precision": accelerator.mixed_precision,
+        "device": str(accelerator.device),
+        "global_batch_sequences": cfg.micro_batch_size * cfg.grad_accum_steps * world,
+        "global_batch_tokens": cfg.micro_batch_size * cfg.grad_accum_steps * world * cfg.seq_len,
+    }

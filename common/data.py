@@ -1,0 +1,304 @@
+"""Data: three sources behind one option, tokenised with `datasets.map` (cached on disk), packed
+into blocks of seq_len + 1 tokens, and served by a loader whose order depends on (seed, epoch) only.
+
+Sources, first match wins:
+  --data_files a.txt b.txt | a.jsonl   local files through `datasets` (.txt: one document per
+                                       blank-line-separated paragraph; .json/.jsonl: --text_column)
+  --dataset_name NAME [--dataset_config C]  a Hub dataset (or a local dataset folder)
+  (nothing)                            the embedded synthetic corpus, generated here, no download
+
+Packing: every document is tokenised without special tokens and followed by EOS; the documents
+are concatenated into one token stream on disk (a uint16/uint32 memmap, nanoGPT-style), and block i
+is stream[i*(T+1) : (i+1)*(T+1)]: inputs are its first T tokens, labels its last T. Nothing is
+duplicated or padded; only the final partial block (< T+1 tokens) is dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from common.config import ConfigError, TrainConfig
+
+# Bump when the generator changes: the cached corpus files are keyed on it.
+SYNTHETIC_VERSION = 1
+SYNTHETIC_SEED = 0  # the corpus is part of the benchmark, not of the run: it ignores --seed
+SPLIT_SEED = 0  # the held-out documents are fixed too, so eval numbers compare across runs
+
+
+# ----------------------------------------------------------------------------------------------
+# The embedded default corpus
+# ----------------------------------------------------------------------------------------------
+def synthetic_documents(num_documents: int, seed: int = SYNTHETIC_SEED) -> list[str]:
+    """A toy language whose structure only a model that uses context can learn.
+
+    A lexicon of 64 made-up words (2-7 letters). Each word has one preferred successor: with
+    probability 0.75 the next word is that successor, else a uniformly random word. Sentences of
+    4-12 words end with '. ', documents of 3-8 sentences with a newline. So the first letter of a
+    word is predictable only from the whole previous word (several bytes back), and the rest of a
+    word from its own first letters: a byte-bigram model cannot do either, a transformer can.
+
+    Uses only `random.Random(seed).random()` (Mersenne Twister, specified bit-for-bit by Python)
+    and integer arithmetic on it, so the bytes are identical on every Python and platform.
+    """
+    rng = random.Random(seed)
+
+    def below(n: int) -> int:  # uniform integer in [0, n) from one random() draw
+        return int(rng.random() * n)
+
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    lexicon: list[str] = []
+    while len(lexicon) < 64:
+        word = "".join(letters[below(26)] for _ in range(2 + below(6)))
+        if word not in lexicon:
+            lexicon.append(word)
+    successor = [below(64) for _ in range(64)]
+
+    docs = []
+    for _ in range(num_documents):
+        sentences = []
+        word = below(64)
+        for _ in range(3 + below(6)):
+            words = []
+            for _ in range(4 + below(9)):
+                words.append(lexicon[word])
+                word = successor[word] if rng.random() < 0.75 else below(64)
+            sentences.append(" ".join(words) + ".")
+        docs.append(" ".join(sentences) + "\n")
+    return docs
+
+
+def _cache_root() -> Path:
+    import datasets
+
+    return Path(datasets.config.HF_DATASETS_CACHE) / "accelerate_recipes"
+
+
+def _write_atomic(path: Path, write) -> None:
+    """Write to a temporary name and rename: a crash never leaves a half-written cache file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def _synthetic_file(num_documents: int) -> Path:
+    path = _cache_root() / f"synthetic_v{SYNTHETIC_VERSION}_seed{SYNTHETIC_SEED}_docs{num_documents}.jsonl"
+    if not path.exists():
+        docs = synthetic_documents(num_documents)
+
+        def write(tmp):
+            with open(tmp, "w") as f:
+                for doc in docs:
+                    f.write(json.dumps({"text": doc}) + "\n")
+
+        _write_atomic(path, write)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer and raw documents
+# ----------------------------------------------------------------------------------------------
+def build_tokenizer(cfg: TrainConfig):
+    """The run's tokenizer: --tokenizer_name_or_path, else the pretrained model's, else bytes."""
+    from transformers import AutoTokenizer, ByT5Tokenizer
+
+    name = cfg.tokenizer_name_or_path or cfg.model_name_or_path
+    if name is None:
+        # 256 byte values + pad/eos/unk = 259 ids; needs no vocabulary file and no download.
+        return ByT5Tokenizer(extra_ids=0)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"cannot load tokenizer from {name}: {str(err).splitlines()[0]}") from None
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(f"tokenizer {name} has no EOS token to separate packed documents")
+    return tokenizer
+
+
+def load_documents(cfg: TrainConfig):
+    """The raw text as a `datasets.Dataset` with one column, 'text'."""
+    import datasets
+
+    if cfg.data_files:
+        suffixes = {Path(f).suffix.lower() for f in cfg.data_files}
+        if suffixes <= {".txt", ".text"}:
+            builder, kwargs = "text", {"sample_by": "paragraph"}
+        elif suffixes <= {".json", ".jsonl"}:
+            builder, kwargs = "json", {}
+        else:
+            raise ConfigError(f"--data_files must all be .txt or all .json/.jsonl, got {sorted(suffixes)}")
+        try:
+            ds = datasets.load_dataset(builder, data_files=cfg.data_files, split="train", **kwargs)
+        except datasets.exceptions.DatasetGenerationError as err:
+            raise ConfigError(f"cannot read {cfg.data_files}: {err.__cause__ or err}") from None
+        source = ", ".join(cfg.data_files)
+    elif cfg.dataset_name:
+        try:
+            ds = datasets.load_dataset(cfg.dataset_name, cfg.dataset_config, split=cfg.dataset_split)
+        except Exception as err:  # offline, unknown name, bad config: all user-facing
+            raise ConfigError(f"cannot load dataset {cfg.dataset_name}: {str(err).splitlines()[0]}") from None
+        source = cfg.dataset_name
+    else:
+        path = _synthetic_file(cfg.synthetic_documents)
+        ds = datasets.load_dataset("json", data_files=str(path), split="train")
+        source = f"synthetic corpus ({cfg.synthetic_documents} documents)"
+
+    if len(ds) > 0 and cfg.text_column not in ds.column_names:
+        raise ConfigError(f"{source}: no column {cfg.text_column!r} (columns: {ds.column_names}); set --text_column")
+    if len(ds) > 0:
+        ds = ds.select_columns([cfg.text_column])
+        if cfg.text_column != "text":
+            ds = ds.rename_column(cfg.text_column, "text")
+        ds = ds.filter(lambda batch: [bool(t and t.strip()) for t in batch["text"]], batched=True)
+    if len(ds) == 0:
+        raise ConfigError(f"dataset is empty (no non-blank documents): {source}")
+    return ds
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenise and pack
+# ----------------------------------------------------------------------------------------------
+def pack_into_blocks(stream: np.ndarray, block_len: int) -> np.ndarray:
+    """View a 1-D token stream as [num_blocks, block_len]; the final partial block is dropped."""
+    num_blocks = len(stream) // block_len
+    return stream[: num_blocks * block_len].reshape(num_blocks, block_len)
+
+
+def _token_stream(tokenized, path: Path, dtype) -> np.ndarray:
+    """Concatenate the tokenised documents into one memmapped array on disk (written once)."""
+    if not path.exists():
+        total = int(sum(tokenized["length"]))
+
+        def write(tmp):
+            out = np.memmap(tmp, dtype=dtype, mode="w+", shape=(total,))
+            offset = 0
+            for batch in tokenized.iter(batch_size=1024):
+                for ids in batch["input_ids"]:
+                    out[offset : offset + len(ids)] = ids
+                    offset += len(ids)
+            out.flush()
+            del out
+
+        _write_atomic(path, write)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def tokenize_and_stream(docs, tokenizer, name: str) -> np.ndarray:
+    """Tokenise documents (cached by `datasets`) and return their EOS-separated token stream."""
+    eos = tokenizer.eos_token_id
+
+    def tokenize(batch):
+        ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+        ids = [x + [eos] for x in ids]
+        return {"input_ids": ids, "length": [len(x) for x in ids]}
+
+    tokenized = docs.map(tokenize, batched=True, remove_columns=docs.column_names, desc=f"tokenise {name}")
+    dtype = np.uint16 if len(tokenizer) <= 65536 else np.uint32  # 2 bytes per token when ids fit
+    # The map's fingerprint identifies (source data, tokenizer, function): reuse the stream file.
+    path = _cache_root() / "streams" / f"{tokenized._fingerprint}.{np.dtype(dtype).name}"
+    return _token_stream(tokenized, path, dtype)
+
+
+class PackedBlocks(Dataset):
+    """Fixed-length training examples cut from a token stream: input_ids = block[:-1], labels = block[1:]."""
+
+    def __init__(self, stream: np.ndarray, seq_len: int):
+        self.blocks = pack_into_blocks(stream, seq_len + 1)
+
+    def __len__(self):
+        return len(self.blocks)
+
+    def __getitem__(self, index):
+        block = torch.from_numpy(self.blocks[index].astype(np.int64))
+        return {"input_ids": block[:-1], "labels": block[1:], "index": index}
+
+
+def build_datasets(cfg: TrainConfig, tokenizer):
+    """Train and held-out PackedBlocks; the held-out part is a fixed set of whole documents."""
+    docs = load_documents(cfg)
+    if len(docs) < 2:
+        raise ConfigError("need at least 2 documents to hold some out for eval")
+    split = docs.train_test_split(test_size=cfg.eval_fraction, seed=SPLIT_SEED, shuffle=True)
+    train = PackedBlocks(tokenize_and_stream(split["train"], tokenizer, "train"), cfg.seq_len)
+    held_out = PackedBlocks(tokenize_and_stream(split["test"], tokenizer, "eval"), cfg.seq_len)
+    for name, ds in (("training", train), ("held-out", held_out)):
+        if len(ds) == 0:
+            raise ConfigError(f"the {name} split has fewer than seq_len+1={cfg.seq_len + 1} tokens")
+    return train, held_out
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading in a resumable order
+# ----------------------------------------------------------------------------------------------
+class EpochShuffleSampler(Sampler[int]):
+    """A permutation that depends on (seed, epoch) alone, never on the global RNG.
+
+    accelerate's `load_state` restores the global RNG to its value at save time, i.e. after the
+    epoch's permutation was drawn; a sampler that draws from it repeats and skips samples after a
+    resume. Seeding from (seed, epoch) makes the order a pure function, so resuming at (epoch,
+    batch) is `set_epoch(epoch)` plus skipping `batch` batches. numpy's PCG64 gives the same
+    permutation on every platform.
+    """
+
+    def __init__(self, num_samples: int, seed: int):
+        self.num_samples = num_samples
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self):
+        return self.num_samples
+
+    def __iter__(self):
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(self.num_samples)
+        return iter(order.tolist())
+
+
+def build_loaders(cfg: TrainConfig, train: PackedBlocks, held_out: PackedBlocks, pin_memory: bool):
+    train_loader = DataLoader(
+        train,
+        batch_size=cfg.micro_batch_size,
+        sampler=EpochShuffleSampler(len(train), cfg.seed),
+        drop_last=True,  # every optimizer step sees the same number of tokens
+        num_workers=cfg.num_workers,
+        pin_memory=pin_memory,
+    )
+    eval_loader = DataLoader(held_out, batch_size=cfg.micro_batch_size, shuffle=False, pin_memory=pin_memory)
+    return train_loader, eval_loader
+
+
+# ----------------------------------------------------------------------------------------------
+# The bar the model has to clear
+# ----------------------------------------------------------------------------------------------
+def bigram_entropy(stream: np.ndarray) -> float:
+    """Conditional entropy H(x_t | x_{t-1}) of a token stream, in nats, from its own counts.
+
+    This is the loss of the best possible bigram model *fitted on this very data* (a lower bound
+    for any bigram model evaluated on it): a held-out loss below it shows the model uses more
+    context than the previous token.
+    """
+    stream = np.asarray(stream, dtype=np.int64)
+    vocab = int(stream.max()) + 1
+    pairs = stream[:-1] * vocab + stream[1:]
+    _, pair_counts = np.unique(pairs, return_counts=True)
+    _, prev_counts = np.unique(stream[:-1], return_counts=True)
+
+    def entropy(counts):
+        p = counts / counts.sum()
+        return float(-(p * np.log(p)).sum())
+
+    return entropy(pair_counts) - entropy(prev_counts)
+
+
+def digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()

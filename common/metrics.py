@@ -1,0 +1,75 @@
+"""What a run measures: held-out loss, per-rank parameter facts, and run_summary.json.
+
+run_summary.json is the run's record for tests, benchmarks and the GPU check; they read it instead
+of parsing logs. Only the main process writes it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+from accelerate.utils import gather_object
+
+from common.model import causal_lm_loss
+
+
+@torch.no_grad()
+def evaluate(model, eval_loader, accelerator, max_batches: int = 0) -> dict:
+    """Token-weighted mean loss over the held-out blocks, across all ranks.
+
+    Sums and token counts are gathered per sequence with gather_for_metrics, which drops the
+    duplicates accelerate adds to even out the last batch across ranks (a mean of per-rank means
+    would count them). One CPU-GPU sync at the end, none per batch.
+    """
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    token_count = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    for i, batch in enumerate(eval_loader):
+        if max_batches and i >= max_batches:
+            break
+        labels = batch["labels"]
+        per_token = causal_lm_loss(model, batch["input_ids"], labels, reduction="none").view(labels.shape)
+        per_seq = torch.stack([per_token.sum(1).double(), (labels != -100).sum(1).double()], dim=1)
+        per_seq = accelerator.gather_for_metrics(per_seq)
+        loss_sum += per_seq[:, 0].sum()
+        token_count += per_seq[:, 1].sum()
+    model.train()
+    loss = (loss_sum / token_count).item()
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(token_count.item())}
+
+
+def parameter_facts(model, accelerator) -> list[dict]:
+    """Per rank: how many parameter elements it holds locally, and how sharded tensors are placed.
+
+    Replicated strategies (DDP) hold every element on every rank; sharded ones (FSDP2 DTensors)
+    hold a slice. Collected from every rank (a collective: call it on all of them).
+    """
+    local, total, placements = 0, 0, {}
+    for param in model.parameters():
+        if hasattr(param, "to_local") and hasattr(param, "placements"):  # DTensor (FSDP2, TP)
+            local += param.to_local().numel()
+            key = f"{tuple(str(p) for p in param.placements)} over mesh {tuple(param.device_mesh.shape)}"
+            placements[key] = placements.get(key, 0) + 1
+        else:
+            local += param.numel()
+        total += param.numel()
+    mine = {
+        "rank": accelerator.process_index,
+        "local_numel": local,
+        "global_numel": total,
+        "sharded_tensors": placements,
+    }
+    return gather_object([mine]) if accelerator.num_processes > 1 else [mine]
+
+
+def write_summary(path: str | os.PathLike, summary: dict) -> None:
+    """Write atomically: a reader never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=1))
+    os.replace(tmp, path)

@@ -1,0 +1,145 @@
+"""Models: Llama-architecture presets with random init, or any pretrained causal LM; the optimizer;
+FLOPs per token.
+
+Presets are shapes only; the vocabulary size comes from the tokenizer (259 for the default
+byte-level one), so parameter counts below are with that vocabulary:
+
+    preset  layers  hidden  heads/kv  mlp     positions  params (byte vocab)
+    debug   2       64      4/2       176     256        ~0.1M   (tests)
+    tiny    4       256     4/4       704     1024       ~3.3M   (default; CPU-sized)
+    small   12      768     12/12     3072    2048       ~114M   (GPT-2-small-like, ~125M with a 8k vocab)
+    1b      16      2048    32/8      8192    4096       ~0.97B  (Llama-3.2-1B shape)
+    8b      32      4096    32/8      14336   8192       ~7.0B   (Llama-3-8B shape; 8.0B with its 128k vocab)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+from common.config import ConfigError, TrainConfig
+
+PRESETS: dict[str, dict] = {
+    "debug": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=176, max_position_embeddings=256),
+    "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                 intermediate_size=704, max_position_embeddings=1024),
+    "small": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
+                  intermediate_size=3072, max_position_embeddings=2048),
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=8192, max_position_embeddings=4096, rope_theta=500000.0),
+    "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=14336, max_position_embeddings=8192, rope_theta=500000.0),
+}
+
+
+def model_config(cfg: TrainConfig, vocab_size: int | None = None):
+    """The transformers config of the model this run trains (no weights are created)."""
+    if cfg.model_name_or_path:
+        try:
+            return AutoConfig.from_pretrained(cfg.model_name_or_path)
+        except OSError as err:
+            raise ConfigError(f"cannot load model config from {cfg.model_name_or_path}: {str(err).splitlines()[0]}")
+    return LlamaConfig(
+        vocab_size=vocab_size or 259,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        rms_norm_eps=1e-5,
+        initializer_range=0.02,
+        **PRESETS[cfg.preset],
+    )
+
+
+def check_seq_len(cfg: TrainConfig) -> None:
+    """Refuse a context longer than the model's positions (RoPE would extrapolate untrained)."""
+    limit = getattr(model_config(cfg), "max_position_embeddings", None)
+    if limit is not None and cfg.seq_len > limit:
+        name = cfg.model_name_or_path or f"preset {cfg.preset!r}"
+        raise ConfigError(f"--seq_len {cfg.seq_len} exceeds the {limit} positions of {name}")
+
+
+def build_model(cfg: TrainConfig, vocab_size: int) -> nn.Module:
+    """Random-init preset or pretrained weights, in fp32 (mixed precision autocasts the compute)."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8:
+        # TF32 matmuls on Ampere and later: ~8x faster fp32 matmuls, 10-bit mantissa inputs.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if cfg.model_name_or_path:
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.model_name_or_path, attn_implementation="sdpa", dtype=torch.float32
+        )
+        if model.get_input_embeddings().num_embeddings < vocab_size:
+            model.resize_token_embeddings(vocab_size)
+    else:
+        model = AutoModelForCausalLM.from_config(
+            model_config(cfg, vocab_size), attn_implementation="sdpa", dtype=torch.float32
+        )
+    if cfg.gradient_checkpointing:
+        # Non-reentrant checkpointing works with FSDP2 and with inputs that need no grad.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
+    return model
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only.
+
+    Decay pulls weights towards zero. That regularises the linear maps (the matrices), but on
+    norm gains it fights the learned scale (1.0 is their neutral value, not 0), biases are offsets
+    with nothing to regularise, and embedding rows of rare tokens get a gradient only when the
+    token appears, so decay would erase them between appearances.
+    """
+    embedding_params = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if not param.requires_grad:
+            continue
+        (decay if param.ndim >= 2 and id(param) not in embedding_params else no_decay).append(param)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    # Fused AdamW runs one kernel per step instead of one per tensor; CUDA is where it pays.
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=fused
+    )
+
+
+def matmul_params(config) -> int:
+    """N for FLOPs: every weight a token multiplies through, i.e. all parameters except the input
+    embedding table (a lookup, no FLOPs) but including the output projection (a matmul even when
+    it is tied to the input embedding). Norm gains are included; they are negligible."""
+    h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    attn = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h
+    mlp = 3 * h * config.intermediate_size  # gate, up, down
+    norms = 2 * h
+    return layers * (attn + mlp + norms) + h + vocab * h  # + final norm + lm_head
+
+
+def flops_per_token(config, seq_len: int) -> float:
+    """Training FLOPs per token, PaLM (appendix B) / nanoGPT: 6N + 12 * L * H * Q * T.
+
+    6N: forward (2 FLOPs per multiply-add) plus backward (twice the forward) through the N weights
+    of matmul_params(). 12*L*H*Q*T: the attention scores and the weighted sum (QK^T and AV) over
+    T positions in L layers with H heads of size Q, forward plus backward, not halved for the
+    causal mask (flash/SDPA kernels skip the masked half, so this slightly overstates MFU there).
+    """
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 6 * matmul_params(config) + 12 * config.num_hidden_layers * heads * head_dim * seq_len
+
+
+def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, reduction: str = "mean"):
+    """Next-token cross-entropy. `labels` are already shifted (block[1:]), so we do not pass them
+    to the model (Hugging Face models would shift them again). -100 marks ignored positions.
+    Logits are upcast to fp32 for the softmax: bf16 log-probs lose ~3 significant digits."""
+    logits = model(input_ids=input_ids).logits
+    return nn.functional.cross_entropy(
+        logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100, reduction=reduction
+    )

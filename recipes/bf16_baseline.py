@@ -1,0 +1,115 @@
+"""The smallest correct training loop: bf16 autocast on one GPU. Every other recipe is this plus
+its own delta.
+
+    accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/bf16_baseline.py --preset small
+    accelerate launch --config_file accelerate_configs/cpu.yaml recipes/bf16_baseline.py --preset debug
+
+bf16 autocast runs matmuls in bf16 while weights, AdamW state and the loss softmax stay fp32.
+bf16 keeps fp32's 8-bit exponent, so gradients do not underflow and no loss scaling is needed
+(compare fp16_scaler.py). The precision comes from the launch config (`mixed_precision`), so the
+same file also runs in fp32 (`no`).
+
+Left out on purpose (see train.py): gradient accumulation, resumable checkpoints, trackers.
+"""
+
+import sys
+import time
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+
+from common import checkpoint, config, data, metrics
+from common import model as modeling
+from common.schedule import build_scheduler
+
+
+def main(argv=None):
+    cfg = config.parse_config(argv)
+    modeling.check_seq_len(cfg)
+    if cfg.grad_accum_steps != 1:
+        raise config.ConfigError("bf16_baseline.py does not accumulate gradients; use recipes/train.py")
+
+    # Mixed precision, device and process count come from the launch config. The LR schedule is
+    # stepped by us once per optimizer step (accelerate would step it world_size times).
+    accelerator = Accelerator(step_scheduler_with_optimizer=False)
+    set_seed(cfg.seed)
+
+    tokenizer = data.build_tokenizer(cfg)
+    with accelerator.main_process_first():  # rank 0 builds the tokenised cache, the others reuse it
+        train_set, eval_set = data.build_datasets(cfg, tokenizer)
+    train_loader, eval_loader = data.build_loaders(
+        cfg, train_set, eval_set, pin_memory=accelerator.device.type == "cuda"
+    )
+    if accelerator.is_main_process:
+        print(config.describe_setup(cfg, accelerator), flush=True)
+
+    model = modeling.build_model(cfg, len(tokenizer))
+    optimizer = modeling.build_optimizer(model, cfg, accelerator.device)
+    scheduler = build_scheduler(optimizer, cfg)
+    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
+        model, optimizer, train_loader, eval_loader, scheduler
+    )
+
+    summary = {"recipe": "bf16_baseline.py", "setup": config.setup_facts(cfg, accelerator),
+               "losses": [], "eval": [], "throughput": []}
+    tokens_per_step = cfg.micro_batch_size * cfg.seq_len * accelerator.num_processes
+
+    def run_eval(step):
+        result = metrics.evaluate(model, eval_loader, accelerator, cfg.eval_batches)
+        summary["eval"].append({"step": step, **result})
+        if accelerator.is_main_process:
+            tqdm.write(f"step {step}: eval loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f}")
+
+    if cfg.eval_every > 0:
+        run_eval(0)
+    model.train()
+    step, epoch, last_log_step = 0, 0, 0
+    bar = tqdm(total=cfg.max_steps, disable=not accelerator.is_main_process, desc="train")
+    interval_start = time.perf_counter()
+    while step < cfg.max_steps:
+        train_loader.set_epoch(epoch)  # the shuffle order is a function of (seed, epoch)
+        for batch in train_loader:
+            loss = modeling.causal_lm_loss(model, batch["input_ids"], batch["labels"])
+            accelerator.backward(loss)
+            if cfg.max_grad_norm > 0:
+                accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+
+            # Every step's loss, averaged over ranks. .item() is a CPU-GPU sync each step: fine
+            # for the baseline; train.py batches these syncs up to one per log interval.
+            loss_value = accelerator.reduce(loss.detach(), "mean").item()
+            summary["losses"].append({"step": step, "loss": loss_value, "lr": scheduler.get_last_lr()[0]})
+            if step % cfg.log_every == 0 or step == cfg.max_steps:
+                elapsed = time.perf_counter() - interval_start
+                tokens_per_s = (step - last_log_step) * tokens_per_step / elapsed
+                summary["throughput"].append({"step": step, "tokens_per_s": tokens_per_s})
+                bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}",
+                                tok_s=f"{tokens_per_s:,.0f}")
+                interval_start, last_log_step = time.perf_counter(), step
+            bar.update(1)
+            if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+                run_eval(step)
+            if step == cfg.max_steps:
+                break
+        epoch += 1
+    bar.close()
+
+    summary["parameters_per_rank"] = metrics.parameter_facts(model, accelerator)
+    if cfg.save_model:
+        out = checkpoint.export_pretrained(accelerator, model, tokenizer, f"{cfg.output_dir}/model")
+        probe = eval_set[0]["input_ids"][:8]
+        summary["export"] = {"path": str(out), "probe_input_ids": probe.tolist(),
+                             "probe_logits": checkpoint.probe_logits(accelerator, model, probe)}
+    if accelerator.is_main_process:
+        metrics.write_summary(f"{cfg.output_dir}/run_summary.json", summary)
+        print(f"done: {step} steps -> {cfg.output_dir}", flush=True)
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    sys.exit(config.run_cli(main))
