@@ -15,6 +15,7 @@ duplicated or padded; only the final partial block (< T+1 tokens) is dropped.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -123,8 +124,29 @@ def build_tokenizer(cfg: TrainConfig):
     return tokenizer
 
 
+@contextlib.contextmanager
+def _quiet_datasets(quiet: bool):
+    """Hide datasets' progress bars while reading local files (instant, and they would bury a
+    one-line error); Hub downloads keep theirs."""
+    import datasets
+
+    was_disabled = datasets.utils.are_progress_bars_disabled()
+    if quiet:
+        datasets.utils.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if quiet and not was_disabled:
+            datasets.utils.enable_progress_bars()
+
+
 def load_documents(cfg: TrainConfig):
     """The raw text as a `datasets.Dataset` with one column, 'text'."""
+    with _quiet_datasets(quiet=not cfg.dataset_name):
+        return _load_documents(cfg)
+
+
+def _load_documents(cfg: TrainConfig):
     import datasets
 
     if cfg.data_files:

@@ -78,7 +78,12 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> nn.Module:
         )
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing works with FSDP2 and with inputs that need no grad.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers renamed the method (5.2x deprecates the old name); keep both working.
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
     return model
 

@@ -1,6 +1,7 @@
 """Learning-rate schedules: a thin selector over transformers' implementations (none written here).
 
-All are defined in optimizer steps and start with a linear warmup from 0 to --lr:
+All are defined in optimizer steps and start with a linear warmup to --lr (from 0; WSD, as
+transformers implements it, from min_lr_ratio * lr):
   cosine    cosine decay to min_lr_ratio * lr at max_steps
   linear    linear decay to 0 at max_steps
   constant  flat at lr after warmup

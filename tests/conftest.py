@@ -1,0 +1,81 @@
+"""Shared fixtures: each (recipe, config) is launched once per session with `accelerate launch`
+(~14 s of start-up each), and many tests read the one run_summary.json it writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
+
+# The debug preset, small enough that a launched run takes seconds on 2 CPU cores.
+DEBUG_ARGS = ["--preset", "debug", "--seq_len", "64", "--micro_batch_size", "8", "--synthetic_documents", "2000",
+              "--max_steps", "60", "--warmup_steps", "6", "--eval_every", "30", "--log_every", "10"]
+
+
+@pytest.fixture(scope="session")
+def hf_home(tmp_path_factory):
+    """One Hugging Face home for the session: datasets' cache is shared between launches, and
+    nothing in the user's own cache is read or written."""
+    return tmp_path_factory.mktemp("hf_home")
+
+
+def launch_env(hf_home: Path) -> dict:
+    env = dict(os.environ)
+    env.update(
+        HF_HOME=str(hf_home),
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def launch(recipe: str, args: list[str], hf_home: Path, config: str = "cpu.yaml",
+           check: bool = True, timeout: int = 900) -> subprocess.CompletedProcess:
+    cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "accelerate_configs" / config),
+           "--num_cpu_threads_per_process", "2", str(ROOT / "recipes" / recipe), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(hf_home), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def read_summary(output_dir: Path) -> dict:
+    return json.loads((output_dir / "run_summary.json").read_text())
+
+
+class Run:
+    def __init__(self, output_dir: Path, proc: subprocess.CompletedProcess):
+        self.output_dir = output_dir
+        self.proc = proc
+        self.summary = read_summary(output_dir)
+
+
+@pytest.fixture(scope="session")
+def train_run(tmp_path_factory, hf_home):
+    out = tmp_path_factory.mktemp("train_debug")
+    return Run(out, launch("train.py", DEBUG_ARGS + ["--output_dir", str(out)], hf_home))
+
+
+@pytest.fixture(scope="session")
+def train_run_again(tmp_path_factory, hf_home, train_run):
+    """The same command again (after train_run, so it also shows the tokenised cache is reused)."""
+    out = tmp_path_factory.mktemp("train_debug_again")
+    return Run(out, launch("train.py", DEBUG_ARGS + ["--output_dir", str(out)], hf_home))
+
+
+@pytest.fixture(scope="session")
+def baseline_run(tmp_path_factory, hf_home):
+    """The bf16 baseline with the single-GPU config; on a CPU machine accelerate runs it with bf16
+    autocast on the CPU (~10x slower than fp32 there, hence fewer steps)."""
+    out = tmp_path_factory.mktemp("baseline_bf16")
+    args = DEBUG_ARGS + ["--max_steps", "30", "--eval_every", "15", "--output_dir", str(out)]
+    return Run(out, launch("bf16_baseline.py", args, hf_home, config="single_gpu.yaml"))

@@ -1,0 +1,63 @@
+"""Option parsing, in-process: CLI, YAML, precedence, and the errors."""
+
+import pytest
+
+from common.config import ConfigError, TrainConfig, parse_config
+
+
+def test_defaults():
+    cfg = parse_config([])
+    assert cfg == TrainConfig()
+    assert cfg.preset == "tiny" and cfg.seq_len == 256 and cfg.data_files is None
+
+
+def test_cli_types():
+    cfg = parse_config(["--lr", "1e-4", "--max_steps", "7", "--warmup_steps", "0", "--gradient_checkpointing", "--lr_schedule", "wsd",
+                        "--save_model", "false"])
+    assert cfg.lr == 1e-4 and cfg.max_steps == 7 and cfg.gradient_checkpointing is True
+    assert cfg.lr_schedule == "wsd" and cfg.save_model is False
+
+
+def test_yaml_then_cli_precedence(tmp_path):
+    data = tmp_path / "a.txt"
+    data.write_text("hello\n")
+    path = tmp_path / "run.yaml"
+    path.write_text(f"lr: 1e-3\nmax_steps: 12\ngradient_checkpointing: true\ndata_files: [{data}, {data}]\n"
+                    "model_name_or_path: null\n")
+    cfg = parse_config(["--config", str(path), "--max_steps", "5", "--warmup_steps", "2"])
+    assert cfg.lr == 1e-3  # YAML 1.1 reads 1e-3 as a string; the parser types it like the CLI does
+    assert cfg.max_steps == 5  # the command line wins over the file
+    assert cfg.gradient_checkpointing is True
+    assert cfg.data_files == [str(data), str(data)]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bogus", "1"], "unknown option(s): --bogus 1"),
+    (["--preset", "huge"], "unknown preset 'huge'"),
+    (["--max_steps", "ten"], "invalid int value: 'ten'"),
+    (["--lr_schedule", "exp"], "invalid choice: 'exp'"),
+    (["--data_files", "/nonexistent/x.txt"], "data file not found: /nonexistent/x.txt"),
+    (["--seq_len", "0"], "--seq_len must be positive"),
+    (["--warmup_steps", "500", "--max_steps", "100"], "--warmup_steps must be in [0, max_steps=100]"),
+    (["--config", "/nonexistent.yaml"], "config file not found"),
+])
+def test_bad_cli(argv, message):
+    with pytest.raises(ConfigError) as err:
+        parse_config(argv)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("lr: [1, 2\n", "bad YAML in"),
+    ("- a\n- b\n", "expected a mapping"),
+    ("bogus_key: 3\n", "unknown option 'bogus_key'"),
+    ("preset: huge\n", "unknown preset 'huge'"),
+])
+def test_bad_yaml(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        parse_config(["--config", str(path)])
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)

@@ -1,0 +1,120 @@
+"""Data, in-process: the generator's bytes, packing, the loader's order, the sources."""
+
+import json
+
+import numpy as np
+import pytest
+
+from common import data
+from common.config import ConfigError, TrainConfig
+
+# sha256 of the first 4096 bytes of the default corpus (8000 documents, generator v1). The
+# generator uses only random.Random(0).random(), so this holds on every Python and platform.
+FIRST_4096_BYTES_SHA256 = "0ba11ed34f1900bcae1f73ece679965350e0febae127edf9071355b3b9553f85"
+
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch):
+    """Keep datasets' cache (and ours under it) in a temp folder."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
+    return tmp_path
+
+
+def test_generator_bytes_are_pinned():
+    text = "".join(data.synthetic_documents(8000))
+    assert text.startswith("imslhtx dfuivc clpx rsxqjn. fjtvxer mko sovoz")
+    assert data.digest(text[:4096]) == FIRST_4096_BYTES_SHA256
+    assert data.synthetic_documents(3) == data.synthetic_documents(3)
+
+
+def test_pack_into_blocks_loses_and_duplicates_nothing():
+    stream = np.arange(1003)
+    blocks = data.pack_into_blocks(stream, 10)
+    assert blocks.shape == (100, 10)
+    assert np.array_equal(blocks.reshape(-1), stream[:1000])  # in order, each token once
+    assert len(stream) - blocks.size < 10  # only the final partial block is dropped
+
+
+def test_packed_blocks_shift_labels_by_one():
+    ds = data.PackedBlocks(np.arange(50, dtype=np.uint16), seq_len=4)
+    assert len(ds) == 10
+    item = ds[3]
+    assert item["input_ids"].tolist() == [15, 16, 17, 18]
+    assert item["labels"].tolist() == [16, 17, 18, 19]
+
+
+def test_epoch_sampler_depends_on_seed_and_epoch_only():
+    import torch
+
+    sampler = data.EpochShuffleSampler(100, seed=7)
+    first = list(sampler)
+    torch.manual_seed(999)  # the global RNG (restored by load_state) must not matter
+    assert list(sampler) == first and sorted(first) == list(range(100))
+    sampler.set_epoch(1)
+    second = list(sampler)
+    assert second != first and sorted(second) == list(range(100))
+    assert list(data.EpochShuffleSampler(100, seed=8)) != first
+
+
+def test_bigram_entropy_by_hand():
+    # pairs: after 0 always 1 (3 times, entropy 0); after 1: 1 twice, 0 three times.
+    # H = P(prev=1) * H(2/5, 3/5) = 5/8 * -(0.4 ln 0.4 + 0.6 ln 0.6)
+    stream = np.array([0, 1, 1, 0, 1, 0, 1, 1, 0])
+    expected = 5 / 8 * -(0.4 * np.log(0.4) + 0.6 * np.log(0.6))
+    assert data.bigram_entropy(stream) == pytest.approx(expected)
+    assert data.bigram_entropy(np.array([3, 3, 3, 3])) == pytest.approx(0.0)
+
+
+def test_byte_tokenizer_roundtrip():
+    tokenizer = data.build_tokenizer(TrainConfig())
+    ids = tokenizer("héllo", add_special_tokens=False)["input_ids"]
+    assert len(ids) == len("héllo".encode())  # one id per byte
+    assert tokenizer.decode(ids) == "héllo"
+    assert len(tokenizer) == 259 and tokenizer.eos_token_id is not None
+
+
+def test_synthetic_split_and_cache(hf_cache):
+    cfg = TrainConfig(synthetic_documents=200, seq_len=32)
+    tokenizer = data.build_tokenizer(cfg)
+    train, held_out = data.build_datasets(cfg, tokenizer)
+    text = "".join(data.synthetic_documents(200))
+    # every byte plus one EOS per document, split between the two streams
+    total = len(text.encode()) + 200
+    streams = sorted((hf_cache / "datasets" / "accelerate_recipes" / "streams").iterdir())
+    assert sum(np.memmap(p, dtype=np.uint16, mode="r").size for p in streams) == total
+    assert len(train) > 10 * len(held_out) > 0
+
+
+def test_local_text_and_jsonl_files(hf_cache, tmp_path):
+    txt = tmp_path / "a.txt"
+    txt.write_text("first paragraph\nstill first\n\nsecond paragraph\n")
+    cfg = TrainConfig(data_files=[str(txt)])
+    assert data.load_documents(cfg)["text"] == ["first paragraph\nstill first", "second paragraph\n"]
+    jsonl = tmp_path / "b.jsonl"
+    jsonl.write_text("\n".join(json.dumps({"body": f"doc {i}", "id": i}) for i in range(5)))
+    docs = data.load_documents(TrainConfig(data_files=[str(jsonl)], text_column="body"))
+    assert docs.column_names == ["text"] and docs["text"][4] == "doc 4"
+
+
+def test_dataset_name_loads_a_local_dataset_folder(hf_cache, tmp_path):
+    folder = tmp_path / "my_dataset"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("\n".join(json.dumps({"text": f"row {i}"}) for i in range(4)))
+    docs = data.load_documents(TrainConfig(dataset_name=str(folder)))
+    assert docs["text"] == [f"row {i}" for i in range(4)]
+
+
+def test_source_errors(hf_cache, tmp_path):
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text('{"text": ""}\n{"text": "   "}\n')
+    with pytest.raises(ConfigError, match="dataset is empty"):
+        data.load_documents(TrainConfig(data_files=[str(blank)]))
+    with pytest.raises(ConfigError, match="no column 'body'"):
+        data.load_documents(TrainConfig(data_files=[str(blank)], text_column="body"))
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("one\n\ntwo\n")
+    cfg = TrainConfig(data_files=[str(tiny)], seq_len=64)
+    with pytest.raises(ConfigError, match="fewer than seq_len"):
+        data.build_datasets(cfg, data.build_tokenizer(cfg))

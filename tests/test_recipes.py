@@ -1,0 +1,110 @@
+"""End to end: the recipes launched with `accelerate launch` on the debug preset."""
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import DEBUG_ARGS, Run, launch
+
+# Loss of the first training step of DEBUG_ARGS (seed 1234): fixes init + data + loss together.
+# Any change to the preset, the generator, the packing or the initialisation moves it.
+FIRST_STEP_LOSS = 5.5548
+
+
+def check_summary(summary: dict, recipe: str, max_steps: int, precision: str):
+    setup = summary["setup"]
+    assert summary["recipe"] == recipe
+    assert setup["distributed_type"] == "NO" and setup["world_size"] == 1
+    assert setup["mixed_precision"] == precision
+    assert setup["options"]["preset"] == "debug"
+    assert setup["global_batch_tokens"] == setup["global_batch_sequences"] * setup["options"]["seq_len"]
+    assert [row["step"] for row in summary["losses"]] == list(range(1, max_steps + 1))
+    assert all(math.isfinite(row["loss"]) and row["lr"] > 0 for row in summary["losses"])
+    assert summary["eval"][0]["step"] == 0 and summary["eval"][-1]["step"] == max_steps
+    assert all(row["tokens_per_s"] > 0 for row in summary["throughput"])
+    (rank0,) = summary["parameters_per_rank"]
+    assert rank0["local_numel"] == rank0["global_numel"] > 0 and rank0["sharded_tensors"] == {}
+    assert len(summary["export"]["probe_logits"]) == len(summary["export"]["probe_input_ids"]) == 8
+
+
+def check_loss_goes_down(summary: dict):
+    losses = [row["loss"] for row in summary["losses"]]
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.0, losses
+    assert summary["eval"][-1]["loss"] < summary["eval"][0]["loss"] - 1.0, summary["eval"]
+
+
+def check_export_reproduces_model(run: Run):
+    """The exported folder, reloaded by plain transformers, gives the trained model's logits."""
+    export = run.summary["export"]
+    model = AutoModelForCausalLM.from_pretrained(export["path"])
+    AutoTokenizer.from_pretrained(export["path"])  # the tokenizer travels with the weights
+    assert (run.output_dir / "model" / "model.safetensors").exists()
+    with torch.no_grad():
+        logits = model(torch.tensor([export["probe_input_ids"]])).logits[0]
+    diff = (logits - torch.tensor(export["probe_logits"])).abs().max().item()
+    assert diff < 1e-5, diff
+
+
+def test_train_summary_complete(train_run):
+    check_summary(train_run.summary, "train.py", 60, "no")
+    assert train_run.summary["model"]["parameters"] < 1_000_000
+    assert train_run.summary["tokens_seen"] == 60 * 8 * 64
+
+
+def test_train_loss_goes_down(train_run):
+    check_loss_goes_down(train_run.summary)
+
+
+def test_train_first_step_loss_is_the_expected_number(train_run):
+    assert train_run.summary["losses"][0]["loss"] == pytest.approx(FIRST_STEP_LOSS, abs=1e-3)
+
+
+def test_train_prints_setup_block(train_run):
+    out = train_run.proc.stdout
+    assert "distributed_type : NO" in out and "world_size       : 1" in out
+    assert "global batch     : 8 sequences = 8 micro x 1 accum x 1 ranks; 512 tokens (seq_len 64)" in out
+
+
+def test_train_export_reloads_with_same_logits(train_run):
+    check_export_reproduces_model(train_run)
+
+
+def test_same_seed_gives_identical_losses(train_run, train_run_again):
+    first = [row["loss"] for row in train_run.summary["losses"]]
+    second = [row["loss"] for row in train_run_again.summary["losses"]]
+    assert first == second
+    assert [e["loss"] for e in train_run.summary["eval"]] == [e["loss"] for e in train_run_again.summary["eval"]]
+
+
+def test_tokenised_data_is_cached_between_runs(train_run, train_run_again):
+    # datasets.map shows a "tokenise" progress bar only when it computes; a cache hit is silent.
+    assert "tokenise train" in train_run.proc.stderr
+    assert "tokenise train" not in train_run_again.proc.stderr
+
+
+def test_baseline_bf16(baseline_run):
+    check_summary(baseline_run.summary, "bf16_baseline.py", 30, "bf16")
+    check_loss_goes_down(baseline_run.summary)
+    check_export_reproduces_model(baseline_run)
+
+
+def test_pretrained_start_from_local_folder(tmp_path, hf_home, train_run):
+    """--model_name_or_path on a save_pretrained folder: the loaded model's held-out loss before
+    any update equals the exporting run's final held-out loss (same weights, same data)."""
+    args = DEBUG_ARGS + ["--model_name_or_path", train_run.summary["export"]["path"], "--max_steps", "4",
+                         "--warmup_steps", "1", "--save_model", "false", "--output_dir", str(tmp_path)]
+    run = Run(tmp_path, launch("train.py", args, hf_home))
+    assert run.summary["eval"][0]["loss"] == pytest.approx(train_run.summary["eval"][-1]["loss"], abs=1e-5)
+    assert "export" not in run.summary
+
+
+def test_default_job_beats_bigram_entropy(tmp_path, hf_home):
+    """The default job (tiny preset, embedded data), shortened to 40 steps: its held-out loss is
+    already below the bigram entropy of the held-out data, so the model uses context."""
+    args = ["--max_steps", "40", "--warmup_steps", "10", "--eval_every", "40", "--output_dir", str(tmp_path)]
+    summary = Run(tmp_path, launch("train.py", args, hf_home)).summary
+    assert summary["setup"]["options"]["preset"] == "tiny"
+    assert summary["eval"][-1]["loss"] < summary["data"]["eval_bigram_entropy"] - 0.3, (
+        summary["eval"], summary["data"])
