@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
 import yaml
 from transformers import HfArgumentParser
 
@@ -207,7 +208,8 @@ def describe_setup(cfg: TrainConfig, accelerator, extra: dict | None = None) -> 
         f"distributed_type : {accelerator.distributed_type.value}",
         f"world_size       : {world}",
         f"mixed_precision  : {accelerator.mixed_precision}",
-        f"device           : {accelerator.device}",
+        f"device           : {accelerator.device}"
+        + (f" ({torch.get_num_threads()} torch threads per process)" if accelerator.device.type == "cpu" else ""),
         f"global batch     : {seqs} sequences = {cfg.micro_batch_size} micro x {cfg.grad_accum_steps} accum"
         f" x {world} ranks; {seqs * cfg.seq_len:,} tokens (seq_len {cfg.seq_len})",
     ]

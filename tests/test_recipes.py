@@ -10,7 +10,7 @@ from conftest import DEBUG_ARGS, Run, launch
 
 # Loss of the first training step of DEBUG_ARGS (seed 1234): fixes init + data + loss together.
 # Any change to the preset, the generator, the packing or the initialisation moves it.
-FIRST_STEP_LOSS = 5.5548
+FIRST_STEP_LOSS = 5.533900
 
 
 def check_summary(summary: dict, recipe: str, max_steps: int, precision: str):
@@ -58,7 +58,7 @@ def test_train_loss_goes_down(train_run):
 
 
 def test_train_first_step_loss_is_the_expected_number(train_run):
-    assert train_run.summary["losses"][0]["loss"] == pytest.approx(FIRST_STEP_LOSS, abs=1e-3)
+    assert train_run.summary["losses"][0]["loss"] == pytest.approx(FIRST_STEP_LOSS, abs=1e-4)
 
 
 def test_train_prints_setup_block(train_run):
@@ -101,9 +101,9 @@ def test_pretrained_start_from_local_folder(tmp_path, hf_home, train_run):
 
 
 def test_default_job_beats_bigram_entropy(tmp_path, hf_home):
-    """The default job (tiny preset, embedded data), shortened to 40 steps: its held-out loss is
+    """The default job (tiny preset, embedded data), shortened to 60 steps: its held-out loss is
     already below the bigram entropy of the held-out data, so the model uses context."""
-    args = ["--max_steps", "40", "--warmup_steps", "10", "--eval_every", "40", "--output_dir", str(tmp_path)]
+    args = ["--max_steps", "60", "--warmup_steps", "10", "--eval_every", "60", "--output_dir", str(tmp_path)]
     summary = Run(tmp_path, launch("train.py", args, hf_home)).summary
     assert summary["setup"]["options"]["preset"] == "tiny"
     assert summary["eval"][-1]["loss"] < summary["data"]["eval_bigram_entropy"] - 0.3, (
