@@ -52,7 +52,7 @@ class TrainConfig:
         metadata={"help": "Tokenizer (AutoTokenizer). Default: the model's, else a byte-level one (no download)."},
     )
     gradient_checkpointing: bool = field(
-        default=False, metadata={"help": "Recompute activations in backward: less memory, ~30% more compute."}
+        default=False, metadata={"help": "Recompute activations in backward: less memory, ~30%% more compute."}
     )
 
     # --- data ---

@@ -61,3 +61,14 @@ def test_bad_yaml(tmp_path, text, message):
         parse_config(["--config", str(path)])
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_help_lists_every_option(capsys):
+    import dataclasses
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for f in dataclasses.fields(TrainConfig):
+        assert f"--{f.name}" in text

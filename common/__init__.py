@@ -1,0 +1,1 @@
+"""Shared pieces every recipe uses unchanged: config, model, data, schedule, checkpoint, metrics."""
