@@ -10,7 +10,7 @@ clip, step, schedule, log, eval) -> Hugging Face export -> run_summary.json.
 
 Features: mixed precision from the launch config (no / bf16), gradient accumulation, gradient
 clipping, four LR schedules, periodic held-out eval (loss, perplexity), gradient checkpointing,
-pretrained start (--model_name_or_path), fused AdamW on GPU, tqdm bar with loss, lr and tokens/s.
+pretrained start (--model_name_or_path), fused AdamW, tqdm bar with loss, lr and tokens/s.
 Not yet: resumable checkpoints, trackers, the multi-process strategies' start-up guard
 (see the README's status table).
 """
