@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from accelerate.utils import DistributedType
 
 
 def export_pretrained(accelerator, model, tokenizer, out_dir: str | Path) -> Path:
@@ -19,7 +20,17 @@ def export_pretrained(accelerator, model, tokenizer, out_dir: str | Path) -> Pat
     gathers them, which is a collective, hence every rank calls this. Only the main process writes.
     """
     out_dir = Path(out_dir)
-    state_dict = accelerator.get_state_dict(model)
+    if accelerator.distributed_type == DistributedType.FSDP:
+        # FSDP2 with SHARDED_STATE_DICT: accelerator.get_state_dict returns an empty dict on rank 0
+        # (FACTS.md). torch's own API gathers the full tensors; cpu_offload keeps them off the GPU
+        # and on rank 0 only.
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        # DDP/single: the weights as they are. ZeRO-3: the 16-bit consolidated weights gathered
+        # from every rank's partition (needs stage3_gather_16bit_weights_on_model_save).
+        state_dict = accelerator.get_state_dict(model)
     unwrapped = accelerator.unwrap_model(model)
     unwrapped.save_pretrained(
         out_dir,

@@ -231,4 +231,6 @@ def setup_facts(cfg: TrainConfig, accelerator) -> dict:
         "device": str(accelerator.device),
         "global_batch_sequences": cfg.micro_batch_size * cfg.grad_accum_steps * world,
         "global_batch_tokens": cfg.micro_batch_size * cfg.grad_accum_steps * world * cfg.seq_len,
+        # Which code ran: a recipe copied out with its own common/ must use that copy.
+        "code": {"recipe": os.path.abspath(sys.argv[0]), "common": os.path.dirname(os.path.abspath(__file__))},
     }

@@ -54,9 +54,12 @@ def parameter_facts(model, accelerator) -> list[dict]:
             local += param.to_local().numel()
             key = f"{tuple(str(p) for p in param.placements)} over mesh {tuple(param.device_mesh.shape)}"
             placements[key] = placements.get(key, 0) + 1
+        elif hasattr(param, "ds_tensor"):  # DeepSpeed ZeRO-3: `param` is an empty placeholder
+            local += param.ds_tensor.numel()
+            placements["zero3 partition"] = placements.get("zero3 partition", 0) + 1
         else:
             local += param.numel()
-        total += param.numel()
+        total += getattr(param, "ds_numel", param.numel())
     mine = {
         "rank": accelerator.process_index,
         "local_numel": local,
@@ -64,6 +67,19 @@ def parameter_facts(model, accelerator) -> list[dict]:
         "sharded_tensors": placements,
     }
     return gather_object([mine]) if accelerator.num_processes > 1 else [mine]
+
+
+def optimizer_facts(optimizer) -> list[dict]:
+    """Hyperparameters of each parameter group of the optimizer that really steps (under DeepSpeed,
+    its own optimizer, to which accelerate mapped ours): shows nothing was lost on the way."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    keys = ("lr", "betas", "eps", "weight_decay")
+    return [{k: (list(g[k]) if k == "betas" else g[k]) for k in keys if k in g} for g in inner.param_groups]
+
+
+def count_parameters(model) -> int:
+    """All parameter elements, also when ZeRO-3 has partitioned them away (ds_numel)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
 
 def write_summary(path: str | os.PathLike, summary: dict) -> None:

@@ -101,7 +101,9 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) ->
     for param in model.parameters():
         if not param.requires_grad:
             continue
-        (decay if param.ndim >= 2 and id(param) not in embedding_params else no_decay).append(param)
+        # Under ZeRO-3's zero.Init a parameter is an empty 1-D placeholder; its real shape is ds_shape.
+        is_matrix = len(getattr(param, "ds_shape", param.shape)) >= 2
+        (decay if is_matrix and id(param) not in embedding_params else no_decay).append(param)
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

@@ -14,13 +14,14 @@ Left out on purpose (see train.py): gradient accumulation, resumable checkpoints
 
 import sys
 import time
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from common import checkpoint, config, data, metrics
+from common import checkpoint, config, data, metrics, strategy
 from common import model as modeling
 from common.schedule import build_scheduler
 
@@ -29,11 +30,12 @@ def main(argv=None):
     cfg = config.parse_config(argv)
     modeling.check_seq_len(cfg)
     if cfg.grad_accum_steps != 1:
-        raise config.ConfigError("bf16_baseline.py does not accumulate gradients; use recipes/train.py")
+        raise config.ConfigError(f"{Path(__file__).name} does not accumulate gradients; use recipes/train.py")
 
     # Mixed precision, device and process count come from the launch config. The LR schedule is
     # stepped by us once per optimizer step (accelerate would step it world_size times).
     accelerator = Accelerator(step_scheduler_with_optimizer=False)
+    strategy.check_launch(accelerator, Path(__file__).name, supports=("single",))
     set_seed(cfg.seed)
 
     tokenizer = data.build_tokenizer(cfg)
@@ -52,7 +54,9 @@ def main(argv=None):
         model, optimizer, train_loader, eval_loader, scheduler
     )
 
-    summary = {"recipe": "bf16_baseline.py", "setup": config.setup_facts(cfg, accelerator),
+    summary = {"recipe": Path(__file__).name, "setup": config.setup_facts(cfg, accelerator),
+               "parameters_per_rank": metrics.parameter_facts(model, accelerator),  # at rest, after prepare
+               "optimizer_groups": metrics.optimizer_facts(optimizer),
                "losses": [], "eval": [], "throughput": []}
     tokens_per_step = cfg.micro_batch_size * cfg.seq_len * accelerator.num_processes
 
@@ -99,7 +103,6 @@ def main(argv=None):
         epoch += 1
     bar.close()
 
-    summary["parameters_per_rank"] = metrics.parameter_facts(model, accelerator)
     if cfg.save_model:
         out = checkpoint.export_pretrained(accelerator, model, tokenizer, f"{cfg.output_dir}/model")
         probe = eval_set[0]["input_ids"][:8]

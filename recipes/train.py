@@ -25,7 +25,7 @@ from accelerate import Accelerator
 from accelerate.utils import GradientAccumulationPlugin, set_seed
 from tqdm.auto import tqdm
 
-from common import checkpoint, config, data, metrics
+from common import checkpoint, config, data, metrics, strategy
 from common import model as modeling
 from common.schedule import build_scheduler
 
@@ -49,7 +49,13 @@ def main(argv=None):
     plugin = GradientAccumulationPlugin(num_steps=cfg.grad_accum_steps, sync_with_dataloader=False)
     # We step the LR schedule ourselves, once per optimizer step (accelerate would step it once
     # per process per optimizer step, i.e. world_size times too fast for a schedule in steps).
-    accelerator = Accelerator(gradient_accumulation_plugin=plugin, step_scheduler_with_optimizer=False)
+    accelerator = Accelerator(
+        gradient_accumulation_plugin=plugin,
+        step_scheduler_with_optimizer=False,
+        fsdp_plugin=strategy.fsdp_plugin(),  # None unless the config asks for FSDP
+    )
+    strategy.check_launch(accelerator, "train.py", supports=("single", "ddp", "fsdp", "deepspeed"))
+    strategy.configure_deepspeed(accelerator, cfg)  # DeepSpeed clips in its step: pass --max_grad_norm on
     set_seed(cfg.seed)  # the same seed on every rank: identical initial weights everywhere
 
     tokenizer = data.build_tokenizer(cfg)
@@ -73,7 +79,7 @@ def main(argv=None):
 
     # ---- model, optimizer, schedule ----
     model = modeling.build_model(cfg, len(tokenizer))
-    num_params = sum(p.numel() for p in model.parameters())
+    num_params = metrics.count_parameters(model)
     optimizer = modeling.build_optimizer(model, cfg, accelerator.device)
     scheduler = build_scheduler(optimizer, cfg)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
@@ -89,6 +95,8 @@ def main(argv=None):
             "eval_blocks": len(eval_set),
             "eval_bigram_entropy": data.bigram_entropy(eval_set.blocks.reshape(-1)),
         },
+        "parameters_per_rank": metrics.parameter_facts(model, accelerator),  # at rest, after prepare
+        "optimizer_groups": metrics.optimizer_facts(optimizer),
         "losses": [],
         "eval": [],
         "throughput": [],
@@ -143,7 +151,6 @@ def main(argv=None):
 
     # ---- export and record ----
     summary["tokens_seen"] = cfg.max_steps * tokens_per_step
-    summary["parameters_per_rank"] = metrics.parameter_facts(model, accelerator)
     if cfg.save_model:
         out = checkpoint.export_pretrained(accelerator, model, tokenizer, f"{cfg.output_dir}/model")
         probe = eval_set[0]["input_ids"][:8]

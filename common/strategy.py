@@ -1,0 +1,139 @@
+"""The strategy: what the launch config asked for, the few settings its YAML cannot express, and
+the start-up guard that stops a run that silently became something else.
+
+accelerate decides the distributed type inside each worker from the hardware it finds, and on a
+machine without the GPUs a config assumes it falls back without an error (FACTS.md): a MULTI_GPU
+or FSDP config starts N independent single processes; with ACCELERATE_USE_CPU an FSDP config
+becomes plain DDP; fp16 on CPU runs in fp32 without a GradScaler. `accelerate launch` passes what
+the config asked for to every worker in environment variables, so each recipe compares the two
+right after building its Accelerator and stops on any difference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from accelerate.utils import DistributedType
+
+from common.config import ConfigError
+
+HARNESS_ENV = "ACCELERATE_RECIPES_CPU_HARNESS"
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "false").lower() in ("1", "true", "yes")
+
+
+def requested() -> dict:
+    """What the launch (config file + command-line overrides) asked for, as accelerate passed it on."""
+    if _flag("ACCELERATE_USE_DEEPSPEED"):
+        kind = "DEEPSPEED"
+    elif _flag("ACCELERATE_USE_FSDP"):
+        kind = "FSDP"
+    else:
+        kind = None  # plain data parallel or single process: told apart by the world size
+    return {
+        "strategy": kind,
+        "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+        "mixed_precision": os.environ.get("ACCELERATE_MIXED_PRECISION", "no"),
+    }
+
+
+def fsdp_plugin():
+    """FSDP2 settings the YAML cannot express, or None when FSDP is not requested.
+
+    Gradient reduction in fp32: with `mixed_precision: bf16` accelerate reduces gradients in bf16
+    (8-bit mantissa), summing N ranks' contributions at that precision. fp32 reduction doubles the
+    reduce-scatter bytes and keeps the sum exact to fp32, which is what torchtitan does by default.
+    Everything else comes from the launch config's environment.
+    """
+    if requested()["strategy"] != "FSDP":
+        return None
+    from accelerate import FullyShardedDataParallelPlugin
+
+    precision = requested()["mixed_precision"]
+    if precision not in ("bf16", "fp16"):
+        return FullyShardedDataParallelPlugin()
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    compute = torch.bfloat16 if precision == "bf16" else torch.float16
+    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32, output_dtype=compute)
+    return FullyShardedDataParallelPlugin(mixed_precision_policy=policy)
+
+
+def check_launch(accelerator, recipe: str, supports: tuple[str, ...]) -> None:
+    """Stop unless what runs is what was asked for, and is something this recipe implements.
+
+    `supports` names the strategies the recipe is written for: "single" (one process), "ddp",
+    "fsdp", "deepspeed".
+    """
+    asked = requested()
+    dtype = accelerator.distributed_type
+    world = accelerator.num_processes
+    harness = os.environ.get(HARNESS_ENV) == "1"
+
+    if world != asked["world_size"]:
+        raise ConfigError(
+            f"the launch started {asked['world_size']} processes but each runs alone (distributed type "
+            f"{dtype.value}, world size {world}): accelerate found no GPU backend. On a CPU-only machine use "
+            "ACCELERATE_USE_CPU=true for DDP, or the CPU harness (scripts/cpu_harness) for FSDP/DeepSpeed"
+        )
+    if asked["strategy"] == "FSDP" and dtype != DistributedType.FSDP:
+        raise ConfigError(
+            f"the config asks for FSDP but accelerate runs {dtype.value} (with ACCELERATE_USE_CPU accelerate "
+            "turns FSDP into DDP); on CPU use the CPU harness (scripts/cpu_harness)"
+        )
+    if asked["strategy"] == "DEEPSPEED" and dtype != DistributedType.DEEPSPEED:
+        raise ConfigError(f"the config asks for DeepSpeed but accelerate runs {dtype.value}")
+    if asked["strategy"] is None and dtype in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise ConfigError(f"accelerate runs {dtype.value} although the launch config did not ask for it")
+    if accelerator.mixed_precision != asked["mixed_precision"]:
+        raise ConfigError(
+            f"the config asks for mixed precision {asked['mixed_precision']!r} "
+            f"but accelerate runs {accelerator.mixed_precision!r}"
+        )
+    if accelerator.mixed_precision == "fp16" and dtype != DistributedType.DEEPSPEED and accelerator.scaler is None:
+        raise ConfigError(
+            "fp16 without a GradScaler: accelerate builds none on this device (CPU), so it would train in "
+            "fp32 while reporting fp16; use mixed_precision 'no' or 'bf16' here"
+        )
+
+    kind = {
+        DistributedType.NO: "single",
+        DistributedType.MULTI_GPU: "ddp",
+        DistributedType.MULTI_CPU: "ddp",
+        DistributedType.FSDP: "fsdp",
+        DistributedType.DEEPSPEED: "deepspeed",
+    }.get(dtype)
+    if kind not in supports:
+        hint = "recipes/train.py runs with every config"
+        raise ConfigError(f"{recipe} is written for {', '.join(supports)}, not {dtype.value}; {hint}")
+    if kind == "fsdp":
+        plugin = accelerator.state.fsdp_plugin
+        if plugin.fsdp_version != 2:
+            raise ConfigError(f"{recipe} uses FSDP2 (fsdp_version: 2); the config has fsdp_version {plugin.fsdp_version}")
+    if harness and accelerator.device.type != "cpu":
+        raise ConfigError("the CPU harness is active on a machine where accelerate found an accelerator")
+
+
+def configure_deepspeed(accelerator, cfg, require_stage: int | None = None) -> None:
+    """Make DeepSpeed's config agree with the recipe's options before `prepare`; no-op otherwise.
+
+    accelerate fills `gradient_clipping: "auto"` with 1.0 whatever the recipe clips at; DeepSpeed
+    clips inside its own step, so the recipe's --max_grad_norm must reach its config (0 = off).
+    """
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return
+    ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+    stage = ds_config.get("zero_optimization", {}).get("stage")
+    if require_stage is not None and stage != require_stage:
+        raise ConfigError(f"this recipe is written for ZeRO stage {require_stage}; the DeepSpeed config has stage {stage}")
+    clip = ds_config.get("gradient_clipping", "auto")
+    if clip == "auto":
+        ds_config["gradient_clipping"] = cfg.max_grad_norm
+    elif float(clip) != cfg.max_grad_norm:
+        raise ConfigError(
+            f"the DeepSpeed config clips gradients at {clip} but --max_grad_norm is {cfg.max_grad_norm}; "
+            'set gradient_clipping to "auto" in the JSON or pass the same value'
+        )
