@@ -111,6 +111,7 @@ def main(argv=None):
     if accelerator.is_main_process:
         metrics.write_summary(f"{cfg.output_dir}/run_summary.json", summary)
         print(f"done: {step} steps -> {cfg.output_dir}", flush=True)
+    accelerator.wait_for_everyone()  # no rank tears down the process group while another still uses it
     accelerator.end_training()
 
 

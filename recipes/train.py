@@ -167,6 +167,7 @@ def main(argv=None):
         print(f"done: {cfg.max_steps} steps, final eval loss {final:.4f} "
               f"(bigram entropy of held-out data {summary['data']['eval_bigram_entropy']:.4f}), "
               f"median {summary['tokens_per_s_median']:,.0f} tokens/s -> {cfg.output_dir}", flush=True)
+    accelerator.wait_for_everyone()  # no rank tears down the process group while another still uses it
     accelerator.end_training()
 
 

@@ -38,13 +38,31 @@ def launch_env(hf_home: Path) -> dict:
     return env
 
 
-def launch(recipe: str, args: list[str], hf_home: Path, config: str = "cpu.yaml",
-           check: bool = True, timeout: int = 900) -> subprocess.CompletedProcess:
-    cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "accelerate_configs" / config),
-           "--num_cpu_threads_per_process", "2", str(ROOT / "recipes" / recipe), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(hf_home), capture_output=True, text=True, timeout=timeout)
+# How each config runs as 2 CPU processes over gloo (FACTS.md): DDP through accelerate's own
+# MULTI_CPU path; FSDP2 and DeepSpeed through the CPU harness. fp32, because bf16 autocast is ~10x
+# slower on these CPUs and parity is checked at fp32 tolerances.
+TWO_CPU_PROCESSES = {
+    "ddp.yaml": {"ACCELERATE_USE_CPU": "true"},
+    "fsdp.yaml": {"ACCELERATE_RECIPES_CPU_HARNESS": "1", "PYTHONPATH": str(ROOT / "scripts" / "cpu_harness")},
+    "deepspeed_zero3_offload.yaml": {"ACCELERATE_RECIPES_CPU_HARNESS": "1",
+                                     "PYTHONPATH": str(ROOT / "scripts" / "cpu_harness")},
+}
+TWO_PROCESS_LAUNCH = ["--num_processes", "2", "--num_cpu_threads_per_process", "1", "--mixed_precision", "no"]
+
+
+def launch(recipe: str, args: list[str], hf_home: Path, config: str = "cpu.yaml", check: bool = True,
+           timeout: int = 900, launch_args: list[str] | None = None, env: dict | None = None,
+           recipe_path: Path | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    launch_args = launch_args if launch_args is not None else ["--num_cpu_threads_per_process", "2"]
+    cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "accelerate_configs" / config), *launch_args,
+           str(recipe_path or ROOT / "recipes" / recipe), *args]
+    full_env = {**launch_env(hf_home), **(env or {})}
+    proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        # The launcher's own traceback comes last; the workers' errors are earlier in stderr.
+        worker_lines = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line]
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                             + "\n".join(worker_lines[:40]) + "\n" + proc.stderr[-4000:])
     return proc
 
 
@@ -79,3 +97,9 @@ def baseline_run(tmp_path_factory, hf_home):
     out = tmp_path_factory.mktemp("baseline_bf16")
     args = DEBUG_ARGS + ["--max_steps", "30", "--eval_every", "15", "--output_dir", str(out)]
     return Run(out, launch("bf16_baseline.py", args, hf_home, config="single_gpu.yaml"))
+
+
+def launch_two_processes(recipe: str, config: str, args: list[str], hf_home: Path, **kwargs):
+    """`accelerate launch` with 2 CPU processes; env overrides merge over the config's own."""
+    env = {**TWO_CPU_PROCESSES[config], **kwargs.pop("env", {})}
+    return launch(recipe, args, hf_home, config=config, launch_args=TWO_PROCESS_LAUNCH, env=env, **kwargs)

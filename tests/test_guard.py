@@ -1,0 +1,89 @@
+"""The start-up guard: a run that would silently become something else stops with one line."""
+
+from types import SimpleNamespace
+
+import pytest
+from accelerate.utils import DistributedType
+
+from common import strategy
+from common.config import ConfigError
+from conftest import ROOT, TWO_PROCESS_LAUNCH, launch
+
+
+def our_error_lines(proc):
+    return [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+
+
+def test_fsdp_config_that_accelerate_turns_into_ddp_is_refused(tmp_path, hf_home):
+    # With ACCELERATE_USE_CPU (and no harness) accelerate runs an FSDP config as MULTI_CPU DDP.
+    proc = launch("train.py", ["--preset", "debug", "--output_dir", str(tmp_path)], hf_home, config="fsdp.yaml",
+                  launch_args=TWO_PROCESS_LAUNCH, env={"ACCELERATE_USE_CPU": "true"}, check=False)
+    assert proc.returncode != 0
+    lines = our_error_lines(proc)
+    assert len(lines) == 2  # one per rank
+    assert all("the config asks for FSDP but accelerate runs MULTI_CPU" in line for line in lines)
+    assert not (tmp_path / "run_summary.json").exists()
+
+
+def test_multi_gpu_config_without_gpus_is_refused(tmp_path, hf_home):
+    # No GPU, no ACCELERATE_USE_CPU: accelerate starts 2 processes that each train alone.
+    proc = launch("ddp.py", ["--preset", "debug", "--output_dir", str(tmp_path)], hf_home, config="ddp.yaml",
+                  launch_args=TWO_PROCESS_LAUNCH, env={"ACCELERATE_USE_CPU": "false"}, check=False)
+    assert proc.returncode != 0
+    lines = our_error_lines(proc)
+    assert len(lines) == 2
+    assert all("the launch started 2 processes but each runs alone (distributed type NO" in line for line in lines)
+
+
+def fake_accelerator(dtype=DistributedType.NO, world=1, precision="no", scaler=None, device="cpu"):
+    return SimpleNamespace(distributed_type=dtype, num_processes=world, mixed_precision=precision, scaler=scaler,
+                           device=SimpleNamespace(type=device), state=SimpleNamespace(fsdp_plugin=None))
+
+
+@pytest.fixture
+def launched_as(monkeypatch):
+    def set_env(**values):
+        for key in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "WORLD_SIZE", "ACCELERATE_MIXED_PRECISION",
+                    strategy.HARNESS_ENV):
+            monkeypatch.delenv(key, raising=False)
+        for key, value in values.items():
+            monkeypatch.setenv(key, value)
+    return set_env
+
+
+def test_fp16_without_a_scaler_is_refused(launched_as):
+    launched_as(ACCELERATE_MIXED_PRECISION="fp16")
+    with pytest.raises(ConfigError, match="fp16 without a GradScaler"):
+        strategy.check_launch(fake_accelerator(precision="fp16"), "train.py", ("single",))
+
+
+def test_precision_mismatch_is_refused(launched_as):
+    launched_as(ACCELERATE_MIXED_PRECISION="bf16")
+    with pytest.raises(ConfigError, match="asks for mixed precision 'bf16' but accelerate runs 'no'"):
+        strategy.check_launch(fake_accelerator(precision="no"), "train.py", ("single",))
+
+
+def test_recipe_refuses_a_strategy_it_is_not_written_for(launched_as):
+    launched_as(WORLD_SIZE="2", ACCELERATE_MIXED_PRECISION="no")
+    ddp = fake_accelerator(DistributedType.MULTI_GPU, world=2)
+    with pytest.raises(ConfigError, match="bf16_baseline.py is written for single, not MULTI_GPU"):
+        strategy.check_launch(ddp, "bf16_baseline.py", ("single",))
+    strategy.check_launch(ddp, "ddp.py", ("single", "ddp"))  # accepted
+
+
+def test_deepspeed_requested_but_not_running_is_refused(launched_as):
+    launched_as(ACCELERATE_USE_DEEPSPEED="true", WORLD_SIZE="2")
+    with pytest.raises(ConfigError, match="asks for DeepSpeed but accelerate runs MULTI_CPU"):
+        strategy.check_launch(fake_accelerator(DistributedType.MULTI_CPU, world=2), "train.py", ("ddp", "deepspeed"))
+
+
+def test_harness_refuses_a_changed_accelerate(tmp_path):
+    """The harness checks the accelerate version it was written against before patching."""
+    import subprocess
+    import sys
+
+    code = ("import accelerate; accelerate.__version__ = '9.0.0'; import runpy; "
+            f"runpy.run_path({str(ROOT / 'scripts' / 'cpu_harness' / 'sitecustomize.py')!r})")
+    env = {"ACCELERATE_RECIPES_CPU_HARNESS": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "PATH": ""}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode != 0 and "CPU harness: tested with accelerate" in proc.stderr
