@@ -31,9 +31,10 @@ NUM_PARAMETER_TENSORS = 21  # debug preset: embedding, 2 x 9 per layer, final no
 def initial_model(tmp_path_factory):
     """The reference run's initial weights (seed 1234, debug preset), saved as a HF folder.
 
-    Under ZeRO-3 the model is built inside deepspeed.zero.Init, which draws the random init in a
-    different order (measured: step-0 held-out loss 5.6113 instead of 5.5656), so the ZeRO-3
-    parity run starts from these saved weights instead of its own random init."""
+    train.py under FSDP2 and ZeRO-3 starts from this folder, which tests the pretrained path of
+    both (FSDP2: rank 0 reads the weights, the others get them by broadcast) and lets ZeRO-3 take
+    part in the parity test: built inside deepspeed.zero.Init, a random init is drawn in another
+    order (measured: step-0 held-out loss 5.6113 instead of 5.5656)."""
     folder = tmp_path_factory.mktemp("initial_model")
     set_seed(1234)
     build_model(TrainConfig(preset="debug"), 259).save_pretrained(folder)
@@ -51,7 +52,8 @@ def two_process_runs(tmp_path_factory, hf_home, initial_model):
             recipe, config = PAIRS[pair]
             out = tmp_path_factory.mktemp(pair.replace("/", "__"))
             args = TWO_RANK_ARGS + ["--output_dir", str(out)]
-            if pair == "train.py/deepspeed_zero3_offload.yaml":
+            if pair.startswith("train.py/") and config != "ddp.yaml":
+                # the pretrained path: FSDP2's rank-0 loading + broadcast, ZeRO-3's partitioned load
                 args += ["--model_name_or_path", str(initial_model)]
             runs[pair] = Run(out, launch_two_processes(recipe, config, args, hf_home))
         return runs[pair]
