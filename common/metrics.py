@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 from pathlib import Path
 
 import torch
@@ -80,6 +81,38 @@ def optimizer_facts(optimizer) -> list[dict]:
 def count_parameters(model) -> int:
     """All parameter elements, also when ZeRO-3 has partitioned them away (ds_numel)."""
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+
+
+# Dense peak tensor-core throughput in TFLOP/s from the vendors' datasheets (SXM parts; no
+# sparsity). "fp32" is plain fp32; with TF32 matmuls enabled (common/model.py) fp32 matmuls run
+# at the "tf32" rate. MFU = achieved model FLOPs / this peak.
+PEAK_TFLOPS = {
+    "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "L40S": {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6},
+    "L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
+    "A10G": {"bf16": 70.0, "fp16": 70.0, "tf32": 35.0, "fp32": 31.2},
+}
+
+
+def peak_tflops(device_name: str, precision: str) -> float | None:
+    """Datasheet peak for a GPU name as torch reports it (e.g. 'NVIDIA H200'), or None if unknown."""
+    kind = {"bf16": "bf16", "fp16": "fp16"}.get(precision, "tf32")
+    for gpu in sorted(PEAK_TFLOPS, key=len, reverse=True):  # "L40S" before "L4"
+        if gpu in device_name.upper():
+            return PEAK_TFLOPS[gpu][kind]
+    return None
+
+
+def peak_memory(accelerator) -> list[dict]:
+    """Peak memory of every rank: CUDA allocated/reserved bytes, and the process's peak RSS."""
+    mine = {"rank": accelerator.process_index,
+            "cpu_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
+    if accelerator.device.type == "cuda":
+        mine["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(accelerator.device)
+        mine["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved(accelerator.device)
+    return gather_object([mine]) if accelerator.num_processes > 1 else [mine]
 
 
 def write_summary(path: str | os.PathLike, summary: dict) -> None:

@@ -128,6 +128,7 @@ def main(argv=None):
         probe = eval_set[0]["input_ids"][:8]
         summary["export"] = {"path": str(out), "probe_input_ids": probe.tolist(),
                              "probe_logits": checkpoint.probe_logits(accelerator, model, probe)}
+    summary["peak_memory_per_rank"] = metrics.peak_memory(accelerator)
     if accelerator.is_main_process:
         metrics.write_summary(f"{cfg.output_dir}/run_summary.json", summary)
         print(f"done: {step} steps -> {cfg.output_dir}", flush=True)

@@ -159,6 +159,7 @@ def main(argv=None):
             "probe_input_ids": probe.tolist(),
             "probe_logits": checkpoint.probe_logits(accelerator, model, probe),
         }
+    summary["peak_memory_per_rank"] = metrics.peak_memory(accelerator)
     if accelerator.is_main_process:
         rates = [t["tokens_per_s"] for t in summary["throughput"]]
         summary["tokens_per_s_median"] = float(np.median(rates))

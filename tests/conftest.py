@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
@@ -103,3 +105,22 @@ def launch_two_processes(recipe: str, config: str, args: list[str], hf_home: Pat
     """`accelerate launch` with 2 CPU processes; env overrides merge over the config's own."""
     env = {**TWO_CPU_PROCESSES[config], **kwargs.pop("env", {})}
     return launch(recipe, args, hf_home, config=config, launch_args=TWO_PROCESS_LAUNCH, env=env, **kwargs)
+
+
+# Checks shared by the 1-process and the 2-process end-to-end tests.
+def check_loss_goes_down(summary: dict):
+    losses = [row["loss"] for row in summary["losses"]]
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.0, losses
+    assert summary["eval"][-1]["loss"] < summary["eval"][0]["loss"] - 1.0, summary["eval"]
+
+
+def check_export_reproduces_model(run: Run):
+    """The exported folder, reloaded by plain transformers, gives the trained model's logits."""
+    export = run.summary["export"]
+    model = AutoModelForCausalLM.from_pretrained(export["path"])
+    AutoTokenizer.from_pretrained(export["path"])  # the tokenizer travels with the weights
+    assert (run.output_dir / "model" / "model.safetensors").exists()
+    with torch.no_grad():
+        logits = model(torch.tensor([export["probe_input_ids"]])).logits[0]
+    diff = (logits - torch.tensor(export["probe_logits"])).abs().max().item()
+    assert diff < 1e-5, diff

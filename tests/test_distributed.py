@@ -9,8 +9,7 @@ from accelerate.utils import set_seed
 from common.config import TrainConfig
 from common.data import build_tokenizer
 from common.model import build_model
-from conftest import DEBUG_ARGS, ROOT, Run, launch_two_processes
-from test_recipes import check_export_reproduces_model, check_loss_goes_down
+from conftest import DEBUG_ARGS, ROOT, Run, check_export_reproduces_model, check_loss_goes_down, launch_two_processes
 
 # Global batch 8 like the 1-process reference: 4 sequences x 2 ranks.
 TWO_RANK_ARGS = DEBUG_ARGS + ["--micro_batch_size", "4"]

@@ -3,10 +3,8 @@
 import math
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import DEBUG_ARGS, Run, launch
+from conftest import DEBUG_ARGS, Run, check_export_reproduces_model, check_loss_goes_down, launch
 
 # Loss of the first training step of DEBUG_ARGS (seed 1234): fixes init + data + loss together.
 # Any change to the preset, the generator, the packing or the initialisation moves it.
@@ -27,24 +25,6 @@ def check_summary(summary: dict, recipe: str, max_steps: int, precision: str):
     (rank0,) = summary["parameters_per_rank"]
     assert rank0["local_numel"] == rank0["global_numel"] > 0 and rank0["sharded_tensors"] == {}
     assert len(summary["export"]["probe_logits"]) == len(summary["export"]["probe_input_ids"]) == 8
-
-
-def check_loss_goes_down(summary: dict):
-    losses = [row["loss"] for row in summary["losses"]]
-    assert sum(losses[-5:]) / 5 < losses[0] - 1.0, losses
-    assert summary["eval"][-1]["loss"] < summary["eval"][0]["loss"] - 1.0, summary["eval"]
-
-
-def check_export_reproduces_model(run: Run):
-    """The exported folder, reloaded by plain transformers, gives the trained model's logits."""
-    export = run.summary["export"]
-    model = AutoModelForCausalLM.from_pretrained(export["path"])
-    AutoTokenizer.from_pretrained(export["path"])  # the tokenizer travels with the weights
-    assert (run.output_dir / "model" / "model.safetensors").exists()
-    with torch.no_grad():
-        logits = model(torch.tensor([export["probe_input_ids"]])).logits[0]
-    diff = (logits - torch.tensor(export["probe_logits"])).abs().max().item()
-    assert diff < 1e-5, diff
 
 
 def test_train_summary_complete(train_run):

@@ -1,0 +1,68 @@
+"""scripts/gpu_check.py on CPU: its plan matches the README, and its own code paths run."""
+
+import json
+import re
+import subprocess
+import sys
+
+from conftest import ROOT, launch_env
+
+SCRIPT = str(ROOT / "scripts" / "gpu_check.py")
+
+
+def readme_pairs():
+    """(recipe, config) pairs of the README's recipe x config table that should run on a GPU."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| recipe \\ config"))
+    configs = [c.strip(" `") for c in lines[start].split("|")[2:-1]]
+    pairs = set()
+    for line in lines[start + 2:]:
+        if not line.startswith("| `"):
+            break
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        recipe = cells[0].strip("`")
+        for config, cell in zip(configs, cells[1:]):
+            if config != "cpu.yaml" and cell not in ("refused", "-"):
+                pairs.add((recipe, config))
+    return pairs
+
+
+def test_dry_run_lists_every_readme_pair_in_priority_order():
+    proc = subprocess.run([sys.executable, SCRIPT, "--dry-run"], capture_output=True, text=True, check=True)
+    planned = [tuple(line.split()[1:3]) for line in proc.stdout.splitlines() if re.match(r"\d+\. ", line)]
+    expected = readme_pairs()
+    assert len(expected) >= 7
+    assert expected <= set(planned), expected - set(planned)
+    assert planned[0] == ("train.py", "single_gpu.yaml")  # the most important run goes first
+    assert [p for p in planned if "deepspeed" in p[1]] == planned[-2:]  # its op build goes last
+
+
+def run_check(tmp_path, hf_home, budget):
+    out = tmp_path / "check"
+    args = [sys.executable, SCRIPT, "--single-process-only", "--preset", "debug", "--seq-len", "64",
+            "--micro-batch", "4", "--steps", "4", "--budget-seconds", str(budget), "--out", str(out)]
+    proc = subprocess.run(args, capture_output=True, text=True, env=launch_env(hf_home), timeout=300)
+    rows = [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()]
+    return proc, rows, (out / "gpu_check.md").read_text()
+
+
+def test_runs_on_cpu_with_the_debug_preset(tmp_path, hf_home):
+    proc, rows, table = run_check(tmp_path, hf_home, budget=300)
+    assert [(r["recipe"], r["config"], r["precision"]) for r in rows] == [
+        ("train.py", "single_gpu.yaml", "bf16"), ("train.py", "single_gpu.yaml", "fp16"),
+        ("bf16_baseline.py", "single_gpu.yaml", "bf16")]
+    for row in rows[0], rows[2]:
+        assert row["status"] == "ok" and row["world"] == 1 and row["tokens/s"] > 0
+        assert 0 < row["final loss"] < 10 and row["peak mem GiB"] > 0
+        assert row["MFU"] is None  # no datasheet peak for a CPU
+    # fp16 on CPU: the recipe's guard refuses it, and the row says why
+    assert rows[1]["status"].startswith("failed (exit 1): fp16 without a GradScaler")
+    assert proc.returncode == 1  # a failed run fails the check
+    assert "| train.py | single_gpu.yaml | bf16 | 1 |" in table and table.count("\n| ") == 4
+    assert "- command: `python " in table and '"torch": ' in table
+
+
+def test_budget_stops_starting_runs(tmp_path, hf_home):
+    proc, rows, _ = run_check(tmp_path, hf_home, budget=0)
+    assert [r["status"] for r in rows] == ["skipped (budget)"] * 3
+    assert proc.returncode == 0
