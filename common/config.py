@@ -30,6 +30,10 @@ class ConfigError(ValueError):
     """Bad user input (option, file, data). Recipes print it as one line and exit with code 2."""
 
 
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. the loss stays NaN). One line, exit code 3."""
+
+
 @dataclass
 class TrainConfig:
     # --- run ---
@@ -71,6 +75,11 @@ class TrainConfig:
     )
     eval_fraction: float = field(default=0.02, metadata={"help": "Fraction of documents held out for eval."})
     seq_len: int = field(default=256, metadata={"help": "Tokens per training sequence (context length)."})
+    packing: bool = field(
+        default=True,
+        metadata={"help": "Pack documents into full blocks; false = one document per row, right-padded, "
+                          "labels -100 on padding (the fine-tuning case; longer documents are truncated)."},
+    )
     num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes per rank."})
 
     # --- optimisation ---
@@ -89,6 +98,12 @@ class TrainConfig:
     adam_beta2: float = field(default=0.95, metadata={"help": "AdamW beta2."})
     adam_eps: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the global grad norm to this; 0 disables."})
+    fp16_init_scale: float = field(
+        default=65536.0, metadata={"help": "fp16 only: the GradScaler's initial loss scale (halved on each overflow)."}
+    )
+    max_nonfinite_steps: int = field(
+        default=3, metadata={"help": "Stop after this many optimizer steps in a row with a NaN/inf loss (each is skipped)."}
+    )
 
     # --- eval, logging, export ---
     eval_every: int = field(default=50, metadata={"help": "Evaluate every N optimizer steps (and at 0 and end); 0 = never."})
@@ -115,6 +130,8 @@ class TrainConfig:
             raise ConfigError(f"--eval_fraction must be in (0, 1), got {self.eval_fraction}")
         if self.warmup_steps < 0 or self.warmup_steps > self.max_steps:
             raise ConfigError(f"--warmup_steps must be in [0, max_steps={self.max_steps}], got {self.warmup_steps}")
+        if self.fp16_init_scale <= 0 or self.max_nonfinite_steps <= 0:
+            raise ConfigError("--fp16_init_scale and --max_nonfinite_steps must be positive")
         if self.lr <= 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
 
@@ -139,6 +156,9 @@ def run_cli(main, argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
+    except TrainingError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 3
     return 0
 
 

@@ -213,8 +213,8 @@ def _token_stream(tokenized, path: Path, dtype) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r")
 
 
-def tokenize_and_stream(docs, tokenizer, name: str) -> np.ndarray:
-    """Tokenise documents (cached by `datasets`) and return their EOS-separated token stream."""
+def tokenize_documents(docs, tokenizer, name: str):
+    """Token ids of every document, each followed by EOS (cached by `datasets`)."""
     eos = tokenizer.eos_token_id
 
     def tokenize(batch):
@@ -222,7 +222,12 @@ def tokenize_and_stream(docs, tokenizer, name: str) -> np.ndarray:
         ids = [x + [eos] for x in ids]
         return {"input_ids": ids, "length": [len(x) for x in ids]}
 
-    tokenized = docs.map(tokenize, batched=True, remove_columns=docs.column_names, desc=f"tokenise {name}")
+    return docs.map(tokenize, batched=True, remove_columns=docs.column_names, desc=f"tokenise {name}")
+
+
+def tokenize_and_stream(docs, tokenizer, name: str) -> np.ndarray:
+    """Tokenise documents and return their EOS-separated token stream (written once to disk)."""
+    tokenized = tokenize_documents(docs, tokenizer, name)
     dtype = np.uint16 if len(tokenizer) <= 65536 else np.uint32  # 2 bytes per token when ids fit
     # The map's fingerprint identifies (source data, tokenizer, function): reuse the stream file.
     path = _cache_root() / "streams" / f"{tokenized._fingerprint}.{np.dtype(dtype).name}"
@@ -242,13 +247,46 @@ class PackedBlocks(Dataset):
         block = torch.from_numpy(self.blocks[index].astype(np.int64))
         return {"input_ids": block[:-1], "labels": block[1:], "index": index}
 
+    def token_stream(self) -> np.ndarray:
+        return self.blocks.reshape(-1)
+
+
+class PaddedDocuments(Dataset):
+    """One document per row (--packing false): inputs = doc[:T], labels = doc[1:T+1], right-padded
+    to T with the pad id and -100 in the labels, so rows carry different numbers of target tokens.
+    Right padding needs no attention mask in a causal model: no real token attends to a later pad."""
+
+    def __init__(self, tokenized, seq_len: int, pad_id: int):
+        self.docs = tokenized
+        self.seq_len = seq_len
+        self.pad_id = pad_id
+
+    def __len__(self):
+        return len(self.docs)
+
+    def __getitem__(self, index):
+        ids = torch.tensor(self.docs[index]["input_ids"][: self.seq_len + 1], dtype=torch.int64)
+        input_ids = torch.full((self.seq_len,), self.pad_id, dtype=torch.int64)
+        labels = torch.full((self.seq_len,), -100, dtype=torch.int64)
+        input_ids[: len(ids) - 1] = ids[:-1]
+        labels[: len(ids) - 1] = ids[1:]
+        return {"input_ids": input_ids, "labels": labels, "index": index}
+
+    def token_stream(self) -> np.ndarray:
+        return np.concatenate([np.asarray(ids[: self.seq_len + 1]) for ids in self.docs["input_ids"]])
+
 
 def build_datasets(cfg: TrainConfig, tokenizer):
-    """Train and held-out PackedBlocks; the held-out part is a fixed set of whole documents."""
+    """Train and held-out datasets (PackedBlocks, or PaddedDocuments with --packing false); the
+    held-out part is a fixed set of whole documents."""
     docs = load_documents(cfg)
     if len(docs) < 2:
         raise ConfigError("need at least 2 documents to hold some out for eval")
     split = docs.train_test_split(test_size=cfg.eval_fraction, seed=SPLIT_SEED, shuffle=True)
+    if not cfg.packing:
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        return tuple(PaddedDocuments(tokenize_documents(split[part], tokenizer, name), cfg.seq_len, pad_id)
+                     for part, name in (("train", "train"), ("test", "eval")))
     train = PackedBlocks(tokenize_and_stream(split["train"], tokenizer, "train"), cfg.seq_len)
     held_out = PackedBlocks(tokenize_and_stream(split["test"], tokenizer, "eval"), cfg.seq_len)
     for name, ds in (("training", train), ("held-out", held_out)):

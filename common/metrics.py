@@ -78,6 +78,18 @@ def optimizer_facts(optimizer) -> list[dict]:
     return [{k: (list(g[k]) if k == "betas" else g[k]) for k in keys if k in g} for g in inner.param_groups]
 
 
+def as_tensor(grad_norm) -> torch.Tensor:
+    """A clip_grad_norm_ result as a plain tensor: FSDP2 returns a DTensor, DeepSpeed a float,
+    a skipped step None (NaN)."""
+    if grad_norm is None:
+        return torch.tensor(float("nan"))
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    if isinstance(grad_norm, torch.Tensor):
+        return grad_norm.detach().float().cpu()
+    return torch.tensor(float(grad_norm))
+
+
 def count_parameters(model) -> int:
     """All parameter elements, also when ZeRO-3 has partitioned them away (ds_numel)."""
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())

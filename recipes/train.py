@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import GradientAccumulationPlugin, set_seed
+from accelerate.utils import DistributedType, GradientAccumulationPlugin, GradScalerKwargs, set_seed
 from tqdm.auto import tqdm
 
 from common import checkpoint, config, data, metrics, strategy
@@ -53,6 +53,7 @@ def main(argv=None):
         gradient_accumulation_plugin=plugin,
         step_scheduler_with_optimizer=False,
         fsdp_plugin=strategy.fsdp_plugin(),  # None unless the config asks for FSDP
+        kwargs_handlers=[GradScalerKwargs(init_scale=cfg.fp16_init_scale)],  # used by fp16 only
     )
     strategy.check_launch(accelerator, "train.py", supports=("single", "ddp", "fsdp", "deepspeed"))
     strategy.configure_deepspeed(accelerator, cfg)  # DeepSpeed clips in its step: pass --max_grad_norm on
@@ -74,7 +75,8 @@ def main(argv=None):
         print(config.describe_setup(cfg, accelerator, {
             "model": cfg.model_name_or_path or f"preset {cfg.preset} (random init)",
             "FLOPs/token": f"{flops_per_token:.3e} (6N + 12LHQT)",
-            "data": f"{len(train_set)} train / {len(eval_set)} held-out blocks of {cfg.seq_len + 1} tokens",
+            "data": f"{len(train_set)} train / {len(eval_set)} held-out "
+                    + (f"blocks of {cfg.seq_len + 1} tokens" if cfg.packing else "documents, padded"),
         }), flush=True)
 
     # ---- model, optimizer, schedule ----
@@ -93,7 +95,7 @@ def main(argv=None):
         "data": {
             "train_blocks": len(train_set),
             "eval_blocks": len(eval_set),
-            "eval_bigram_entropy": data.bigram_entropy(eval_set.blocks.reshape(-1)),
+            "eval_bigram_entropy": data.bigram_entropy(eval_set.token_stream()),
         },
         "parameters_per_rank": metrics.parameter_facts(model, accelerator),  # at rest, after prepare
         "optimizer_groups": metrics.optimizer_facts(optimizer),
@@ -117,30 +119,71 @@ def main(argv=None):
     pending = []  # per-step losses kept on device; fetched at log points (one sync per interval)
     interval_start, interval_steps = time.perf_counter(), 0
     bar = tqdm(total=cfg.max_steps, disable=not accelerator.is_main_process, desc="train")
+    nonfinite_in_row, skipped_nonfinite, skipped_overflow = 0, 0, 0
     for step in range(1, cfg.max_steps + 1):
-        micro_losses = []
-        for _ in range(cfg.grad_accum_steps):
-            batch = next(batches)
+        # The whole optimizer step's micro-batches first: their target-token count over all
+        # micro-batches and ranks normalises the loss, so every target token weighs the same
+        # whatever the length of its row (transformers' num_items_in_batch is the same idea).
+        micro_batches = [next(batches) for _ in range(cfg.grad_accum_steps)]
+        local_tokens = sum((b["labels"] != -100).sum() for b in micro_batches)
+        step_tokens = accelerator.reduce(local_tokens, "sum")  # a scalar all-reduce; no host sync
+        # accelerator.backward (and DeepSpeed's engine) divide by grad_accum_steps and gradient
+        # averaging divides by the world size: undo both, so the update follows
+        # sum(per-token loss over the whole step) / step_tokens, not a mean of means.
+        scale = cfg.grad_accum_steps * accelerator.num_processes / step_tokens
+        loss_sum = torch.zeros((), device=accelerator.device)
+        for batch in micro_batches:
             with accelerator.accumulate(model):  # no gradient all-reduce before the last micro-batch
-                loss = modeling.causal_lm_loss(model, batch["input_ids"], batch["labels"])
-                accelerator.backward(loss)  # divides by grad_accum_steps
-            micro_losses.append(loss.detach())
-        # The last micro-batch synchronised the gradients: clip, step and schedule once.
-        if cfg.max_grad_norm > 0:
-            accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
+                micro_sum = modeling.causal_lm_loss(model, batch["input_ids"], batch["labels"], reduction="sum")
+                accelerator.backward(micro_sum * scale)
+            loss_sum += micro_sum.detach()
+        step_loss = accelerator.reduce(loss_sum, "sum") / step_tokens  # token mean of the step, all ranks
+
+        # A NaN/inf loss must not reach the weights. Deciding needs the value on the host: one
+        # CPU-GPU sync per step, small next to a step of a model worth training on GPUs.
+        if torch.isfinite(step_loss).item():
+            nonfinite_in_row = 0
+            # The last micro-batch synchronised the gradients: unscale (fp16) and clip once, on the
+            # full gradient. The returned norm is the pre-clip one (inf max = measure, don't clip).
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
+            scale_before = accelerator.scaler.get_scale() if accelerator.scaler is not None else None
+            optimizer.step()
+            # fp16: the GradScaler skips a step with inf/NaN gradients and halves its scale. A fused
+            # AdamW applies the skip itself, which accelerate's optimizer_step_was_skipped does not
+            # see (it reports False): the scale going down is the reliable sign.
+            if scale_before is not None and accelerator.scaler.get_scale() < scale_before:
+                skipped_overflow += 1
+            else:
+                scheduler.step()  # a skipped step does not advance the schedule
+        else:
+            if accelerator.distributed_type == DistributedType.DEEPSPEED:
+                raise config.TrainingError(
+                    f"non-finite loss at step {step}: DeepSpeed steps inside backward, so this update is "
+                    "already applied; stopping without writing anything")
+            nonfinite_in_row += 1
+            skipped_nonfinite += 1
+            if nonfinite_in_row >= cfg.max_nonfinite_steps:
+                raise config.TrainingError(
+                    f"non-finite loss in {nonfinite_in_row} steps in a row (last: step {step}); stopping "
+                    "without writing anything (lower --lr, check the data, or use bf16 instead of fp16)")
+            grad_norm = None  # skipped: the gradients are dropped below, the schedule waits
         optimizer.zero_grad(set_to_none=True)
-        pending.append((step, scheduler.get_last_lr()[0], torch.stack(micro_losses).mean()))
+        loss_scale = accelerator.scaler.get_scale() if accelerator.scaler is not None else None
+        pending.append((step, scheduler.get_last_lr()[0], step_loss, metrics.as_tensor(grad_norm), loss_scale))
         interval_steps += 1
 
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             # Mean over ranks; .tolist() is the CPU-GPU sync that makes the timing honest.
-            step_losses = accelerator.reduce(torch.stack([l for _, _, l in pending]), "mean").tolist()
+            # Losses are already means over all ranks' tokens; .tolist() is the sync that makes the timing honest.
+            step_losses = torch.stack([row[2] for row in pending]).tolist()
+            grad_norms = torch.stack([row[3] for row in pending]).tolist()
             elapsed = time.perf_counter() - interval_start
             tokens_per_s = interval_steps * tokens_per_step / elapsed
-            for (s, lr, _), value in zip(pending, step_losses):
-                summary["losses"].append({"step": s, "loss": value, "lr": lr})
+            for (s, lr, _, _, loss_scale), value, norm in zip(pending, step_losses, grad_norms):
+                row = {"step": s, "loss": value, "lr": lr, "grad_norm": norm}
+                if loss_scale is not None:
+                    row["loss_scale"] = loss_scale
+                summary["losses"].append(row)
             summary["throughput"].append({"step": step, "tokens_per_s": tokens_per_s})
             bar.set_postfix(loss=f"{step_losses[-1]:.4f}", lr=f"{pending[-1][1]:.2e}", tok_s=f"{tokens_per_s:,.0f}")
             bar.update(interval_steps)
@@ -148,6 +191,7 @@ def main(argv=None):
         if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.max_steps):
             run_eval(step)
     bar.close()
+    summary["skipped_steps"] = {"nonfinite_loss": skipped_nonfinite, "fp16_overflow": skipped_overflow}
 
     # ---- export and record ----
     summary["tokens_seen"] = cfg.max_steps * tokens_per_step

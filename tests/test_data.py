@@ -118,3 +118,20 @@ def test_source_errors(hf_cache, tmp_path):
     cfg = TrainConfig(data_files=[str(tiny)], seq_len=64)
     with pytest.raises(ConfigError, match="fewer than seq_len"):
         data.build_datasets(cfg, data.build_tokenizer(cfg))
+
+
+def test_unpacked_documents_are_padded_with_ignored_labels(hf_cache, tmp_path):
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("\n".join(json.dumps({"text": "x" * n}) for n in (3, 10, 1, 7, 40, 5)))
+    cfg = TrainConfig(data_files=[str(jsonl)], packing=False, seq_len=8, eval_fraction=0.2)
+    tokenizer = data.build_tokenizer(cfg)
+    train, held_out = data.build_datasets(cfg, tokenizer)
+    assert len(train) + len(held_out) == 6
+    targets = sorted(int((train[i]["labels"] != -100).sum()) for i in range(len(train)))
+    for i in range(len(train)):
+        row = train[i]
+        n = int((row["labels"] != -100).sum())
+        assert row["input_ids"].shape == row["labels"].shape == (8,)
+        assert row["labels"][:n].tolist() == row["input_ids"][1:n].tolist() + [row["labels"][n - 1].item()]
+        assert (row["labels"][n:] == -100).all() and (row["input_ids"][n:] == tokenizer.pad_token_id).all()
+    assert len(set(targets)) > 1 and max(targets) == 8  # uneven rows; the 40-byte document is truncated

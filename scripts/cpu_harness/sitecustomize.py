@@ -13,8 +13,11 @@ FSDP config into DDP and refuses DeepSpeed. The harness makes accelerate's backe
 MULTI_GPU with the gloo backend instead, with the device pinned to the CPU; accelerate then builds
 the FSDP2 / DeepSpeed setup the config asks for, exactly as on GPUs.
 
-It patches one accelerate internal (PartialState._prepare_backend), so it checks the accelerate
-version and the function's signature first and stops the run if either moved.
+With mixed precision fp16 it also gives accelerate a CPU GradScaler and fp16 autocast, which
+accelerate does not build on CPU (it would train in fp32 while reporting fp16).
+
+It patches accelerate internals (PartialState._prepare_backend, Accelerator.__init__), so it checks
+the accelerate version and the functions' signatures first and stops the run if any moved.
 """
 
 import inspect
@@ -23,16 +26,20 @@ import os
 TESTED_ACCELERATE = ("1.15.",)  # versions whose PartialState._prepare_backend this was checked against
 
 
-def _install():
+def _check_version():
     import accelerate
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType
 
     if not accelerate.__version__.startswith(TESTED_ACCELERATE):
         raise RuntimeError(
             f"CPU harness: tested with accelerate {TESTED_ACCELERATE}, found {accelerate.__version__}; "
-            "re-check PartialState._prepare_backend and update scripts/cpu_harness/sitecustomize.py"
+            "re-check the patched accelerate internals and update scripts/cpu_harness/sitecustomize.py"
         )
+
+
+def _install():
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
     original = PartialState._prepare_backend
     params = list(inspect.signature(original).parameters)
     if params != ["self", "cpu", "sagemaker_dp", "backend"]:
@@ -47,12 +54,42 @@ def _install():
     PartialState._prepare_backend = prepare_backend_on_cpu
 
 
-# Only in launched workers (torchrun sets LOCAL_RANK), only when asked, only with several ranks.
-if (
-    os.environ.get("ACCELERATE_RECIPES_CPU_HARNESS") == "1"
-    and "LOCAL_RANK" in os.environ
-    and int(os.environ.get("WORLD_SIZE", "1")) > 1
-):
-    os.environ.setdefault("ACCELERATE_TORCH_DEVICE", "cpu")
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    _install()
+def _install_fp16_on_cpu():
+    """fp16 autocast with a GradScaler on CPU, where accelerate builds neither (it would silently
+    train in fp32). torch itself has both: torch.autocast("cpu", dtype=float16) and
+    torch.amp.GradScaler("cpu"). Single process and DDP only: fp16 under FSDP2 and DeepSpeed is
+    proven on GPUs (the GPU check)."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    original_init = Accelerator.__init__
+    params = list(inspect.signature(original_init).parameters)
+    if "mixed_precision" not in params or "kwargs_handlers" not in params:
+        raise RuntimeError(f"CPU harness: Accelerator.__init__ changed its signature to {params}")
+
+    def init_with_cpu_scaler(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        if (
+            self.state.mixed_precision == "fp16"
+            and self.device.type == "cpu"
+            and self.scaler is None
+            and self.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+        ):
+            scaler_kwargs = self.scaler_handler.to_kwargs() if self.scaler_handler is not None else {}
+            self.scaler = torch.amp.GradScaler("cpu", **scaler_kwargs)
+            self.native_amp = True  # prepare_model now wraps forward in torch.autocast("cpu", float16)
+
+    Accelerator.__init__ = init_with_cpu_scaler
+
+
+if os.environ.get("ACCELERATE_RECIPES_CPU_HARNESS") == "1":
+    _check_version()
+    # Only in launched workers (torchrun sets LOCAL_RANK) with several ranks: the backend probe.
+    if "LOCAL_RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        os.environ.setdefault("ACCELERATE_TORCH_DEVICE", "cpu")
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        _install()
+    # Any process that trains: fp16 on CPU (one process or DDP).
+    if os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp16":
+        _install_fp16_on_cpu()
