@@ -1,0 +1,79 @@
+"""fp16 with a GradScaler on CPU (through the CPU harness, which adds torch's CPU GradScaler and
+fp16 autocast that accelerate does not build on CPU)."""
+
+import math
+import sys
+
+import pytest
+
+from conftest import DEBUG_ARGS, ROOT, Run, launch
+
+HARNESS = {"ACCELERATE_RECIPES_CPU_HARNESS": "1", "PYTHONPATH": str(ROOT / "scripts" / "cpu_harness")}
+# An initial scale of 2^24 makes the first steps overflow for real (no mock): each is skipped and
+# the scale halves until the scaled gradients fit in fp16.
+FP16_ARGS = DEBUG_ARGS + ["--max_steps", "20", "--eval_every", "20", "--fp16_init_scale", "16777216"]
+
+
+@pytest.fixture(scope="session")
+def fp16_recipe_run(tmp_path_factory, hf_home):
+    out = tmp_path_factory.mktemp("fp16_scaler")
+    proc = launch("fp16_scaler.py", FP16_ARGS + ["--output_dir", str(out)], hf_home, config="fp16.yaml",
+                  launch_args=["--cpu", "--num_cpu_threads_per_process", "2"], env=HARNESS)
+    return Run(out, proc)
+
+
+@pytest.fixture(scope="session")
+def fp16_train_run(tmp_path_factory, hf_home):
+    """train.py with fp16, accumulation and clipping together."""
+    out = tmp_path_factory.mktemp("fp16_train")
+    args = FP16_ARGS + ["--micro_batch_size", "4", "--grad_accum_steps", "2", "--max_grad_norm", "1.0",
+                        "--output_dir", str(out)]
+    proc = launch("train.py", args, hf_home, config="fp16.yaml",
+                  launch_args=["--cpu", "--num_cpu_threads_per_process", "2"], env=HARNESS)
+    return Run(out, proc)
+
+
+def check_overflow_handling(rows, skipped_of):
+    scales = [row["loss_scale"] for row in rows]
+    skipped = [i for i, row in enumerate(rows) if skipped_of(i)]
+    assert len(skipped) >= 3 and skipped[:3] == [0, 1, 2]  # 2^24 overflows at first
+    for i in skipped:
+        previous = 16777216 if i == 0 else scales[i - 1]
+        assert scales[i] == previous / 2  # each skip halves the scale
+        assert rows[i]["lr"] == (0.0 if i == 0 else rows[i - 1]["lr"])  # ...and the schedule waits
+    applied = [i for i in range(len(rows)) if i not in skipped]
+    assert len(applied) >= 10
+    assert rows[applied[0]]["lr"] > 0 and scales[-1] >= 2**14  # training goes on at a sane scale
+
+
+def test_fp16_recipe_skips_overflowed_steps(fp16_recipe_run):
+    summary = fp16_recipe_run.summary
+    assert summary["setup"]["mixed_precision"] == "fp16" and summary["setup"]["distributed_type"] == "NO"
+    rows = summary["losses"]
+    counts = [row["skipped_steps"] for row in rows]
+    check_overflow_handling(rows, lambda i: counts[i] > (counts[i - 1] if i else 0))
+    assert summary["eval"][-1]["loss"] < summary["eval"][0]["loss"] - 1.0  # it still learns
+
+
+def test_fp16_with_accumulation_and_clipping_unscales_once(fp16_train_run):
+    summary = fp16_train_run.summary
+    rows = summary["losses"]
+    check_overflow_handling(rows, lambda i: not math.isfinite(rows[i]["grad_norm"]))
+    assert summary["skipped_steps"]["fp16_overflow"] == sum(not math.isfinite(r["grad_norm"]) for r in rows)
+    # Unscaled exactly once: a second unscale_ raises in torch, and without one the clipped
+    # norm would be the scaled one (x 2^17 or more). The logged pre-clip norms are O(1).
+    finite = [r["grad_norm"] for r in rows if math.isfinite(r["grad_norm"])]
+    assert finite and max(finite) < 50
+
+
+def test_fp16_scaler_state_survives_save_and_load(tmp_path, hf_home):
+    import subprocess
+
+    from conftest import ACCELERATE, launch_env
+
+    cmd = [ACCELERATE, "launch", "--cpu", "--mixed_precision", "fp16", "--num_processes", "1",
+           str(ROOT / "tests" / "scripts" / "scaler_roundtrip.py"), str(tmp_path / "state")]
+    proc = subprocess.run(cmd, env={**launch_env(hf_home), **HARNESS}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "saved (512.0, 1) restored (512.0, 1)" in proc.stdout
+    assert (tmp_path / "state" / "scaler.pt").exists()
