@@ -13,6 +13,7 @@ from the accelerate launch config (``accelerate_configs/*.yaml``).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -153,6 +154,10 @@ def run_cli(main, argv: list[str] | None = None) -> int:
     """Run a recipe's main(); bad input becomes one line on stderr and exit code 2."""
     try:
         main(argv)
+        # Free reference cycles now, while the interpreter is fully alive: gloo work objects kept
+        # by FSDP2 hold tensors, and freeing them during interpreter shutdown can abort the
+        # process ("terminate called without an active exception", seen ~1 in 8 CPU FSDP runs).
+        gc.collect()
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2

@@ -156,16 +156,18 @@ def main(argv=None):
             else:
                 scheduler.step()  # a skipped step does not advance the schedule
         else:
-            if accelerator.distributed_type == DistributedType.DEEPSPEED:
-                raise config.TrainingError(
-                    f"non-finite loss at step {step}: DeepSpeed steps inside backward, so this update is "
-                    "already applied; stopping without writing anything")
             nonfinite_in_row += 1
             skipped_nonfinite += 1
-            if nonfinite_in_row >= cfg.max_nonfinite_steps:
-                raise config.TrainingError(
-                    f"non-finite loss in {nonfinite_in_row} steps in a row (last: step {step}); stopping "
-                    "without writing anything (lower --lr, check the data, or use bf16 instead of fp16)")
+            stop = None
+            if accelerator.distributed_type == DistributedType.DEEPSPEED:
+                stop = (f"non-finite loss at step {step}: DeepSpeed steps inside backward, so this update is "
+                        "already applied; stopping without writing anything")
+            elif nonfinite_in_row >= cfg.max_nonfinite_steps:
+                stop = (f"non-finite loss in {nonfinite_in_row} steps in a row (last: step {step}); stopping "
+                        "without writing anything (lower --lr, check the data, or use bf16 instead of fp16)")
+            if stop:
+                bar.close()  # the error line must start on a line of its own
+                raise config.TrainingError(stop)
             grad_norm = None  # skipped: the gradients are dropped below, the schedule waits
         optimizer.zero_grad(set_to_none=True)
         loss_scale = accelerator.scaler.get_scale() if accelerator.scaler is not None else None

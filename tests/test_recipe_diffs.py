@@ -12,7 +12,8 @@ import pytest
 
 from conftest import ROOT
 
-FEATURE_RECIPES = ["ddp.py", "fsdp_full_shard.py", "deepspeed_zero3_offload.py", "fp16_scaler.py"]
+FEATURE_RECIPES = ["ddp.py", "fsdp_full_shard.py", "deepspeed_zero3_offload.py", "fp16_scaler.py",
+                   "accumulate_and_clip.py"]
 
 
 def code_lines(path):

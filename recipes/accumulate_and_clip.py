@@ -1,0 +1,178 @@
+"""Gradient accumulation with token-normalised loss and clipping on the full gradient, in every strategy.
+
+    accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/accumulate_and_clip.py \
+        --grad_accum_steps 8 --packing false
+    accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/accumulate_and_clip.py --grad_accum_steps 4
+
+Accumulation: an optimizer step takes grad_accum_steps micro-batches. Inside
+`accelerator.accumulate` the non-final micro-batches run backward without DDP's gradient
+all-reduce (no_sync); the last one synchronises the summed gradients once.
+
+Normalisation: the step's loss is the mean over every target token of the step, across all
+micro-batches and all ranks, not a mean of per-micro-batch means (which over-weights the tokens of
+short rows whenever rows carry different numbers of targets, e.g. padded fine-tuning data,
+--packing false). So the step's micro-batches are gathered first, their target tokens counted and
+summed over ranks (one scalar all-reduce), and each micro-batch's summed loss is divided by that
+count. accelerator.backward (and DeepSpeed's engine) divide by grad_accum_steps and gradient
+averaging divides by the world size; both are multiplied back in. transformers' Trainer does the
+same with `num_items_in_batch`.
+
+Clipping: on the full gradient, after the last micro-batch (under fp16 after unscaling), once per
+optimizer step; the logged norm is the pre-clip one, and the norm after clipping is logged too.
+Under DeepSpeed clipping happens inside its step, from `gradient_clipping` (= --max_grad_norm).
+Under DDP the first optimizer step also records which gradient buckets each micro-step
+all-reduced (a counting comm hook): nothing before the last micro-batch, every bucket once then.
+
+The delta against bf16_baseline.py is marked `# New:`.
+"""
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+# New: accumulation that syncs on a micro-batch count (not at epoch ends); DDP's default hook.
+from accelerate.utils import DistributedType, GradientAccumulationPlugin, set_seed
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+# End new
+from tqdm.auto import tqdm
+
+from common import checkpoint, config, data, metrics, strategy
+from common import model as modeling
+from common.schedule import build_scheduler
+
+
+def main(argv=None):
+    cfg = config.parse_config(argv)
+    modeling.check_seq_len(cfg)
+    # New: this recipe accumulates (the baseline refuses --grad_accum_steps).
+    # End new
+
+    # Mixed precision, device and process count come from the launch config. The LR schedule is
+    # stepped by us once per optimizer step (accelerate would step it world_size times).
+    # New: every strategy; accumulation counted in micro-batches, so an epoch boundary inside an
+    # accumulation window does not force an early optimizer step.
+    plugin = GradientAccumulationPlugin(num_steps=cfg.grad_accum_steps, sync_with_dataloader=False)
+    accelerator = Accelerator(step_scheduler_with_optimizer=False, gradient_accumulation_plugin=plugin,
+                              fsdp_plugin=strategy.fsdp_plugin())
+    strategy.check_launch(accelerator, Path(__file__).name, supports=("single", "ddp", "fsdp", "deepspeed"))
+    strategy.configure_deepspeed(accelerator, cfg)
+    # End new
+    set_seed(cfg.seed)
+
+    tokenizer = data.build_tokenizer(cfg)
+    with accelerator.main_process_first():  # rank 0 builds the tokenised cache, the others reuse it
+        train_set, eval_set = data.build_datasets(cfg, tokenizer)
+    train_loader, eval_loader = data.build_loaders(
+        cfg, train_set, eval_set, pin_memory=accelerator.device.type == "cuda"
+    )
+    if accelerator.is_main_process:
+        print(config.describe_setup(cfg, accelerator), flush=True)
+
+    model = modeling.build_model(cfg, len(tokenizer))
+    optimizer = modeling.build_optimizer(model, cfg, accelerator.device)
+    scheduler = build_scheduler(optimizer, cfg)
+    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
+        model, optimizer, train_loader, eval_loader, scheduler
+    )
+
+    summary = {"recipe": Path(__file__).name, "setup": config.setup_facts(cfg, accelerator),
+               "parameters_per_rank": metrics.parameter_facts(model, accelerator),  # at rest, after prepare
+               "optimizer_groups": metrics.optimizer_facts(optimizer),
+               "losses": [], "eval": [], "throughput": []}
+    # New: an optimizer step now spans grad_accum_steps micro-batches; count DDP's all-reduces.
+    tokens_per_step = cfg.micro_batch_size * cfg.seq_len * accelerator.num_processes * cfg.grad_accum_steps
+    micro_batches, reduced_buckets = [], []
+    if accelerator.distributed_type in (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU):
+        def counting_allreduce(state, bucket):  # DDP's default all-reduce, plus a note of the bucket
+            reduced_buckets.append([bucket.index(), bucket.buffer().numel()])
+            return allreduce_hook(state, bucket)
+
+        model.register_comm_hook(None, counting_allreduce)
+        summary["ddp_buckets_per_micro_step"] = []
+    # End new
+
+    def run_eval(step):
+        result = metrics.evaluate(model, eval_loader, accelerator, cfg.eval_batches)
+        summary["eval"].append({"step": step, **result})
+        if accelerator.is_main_process:
+            tqdm.write(f"step {step}: eval loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f}")
+
+    if cfg.eval_every > 0:
+        run_eval(0)
+    model.train()
+    step, epoch, last_log_step = 0, 0, 0
+    bar = tqdm(total=cfg.max_steps, disable=not accelerator.is_main_process, desc="train")
+    interval_start = time.perf_counter()
+    while step < cfg.max_steps:
+        train_loader.set_epoch(epoch)  # the shuffle order is a function of (seed, epoch)
+        for batch in train_loader:
+            # New: gather the step's micro-batches; normalise by all of its target tokens on all
+            # ranks; backward each inside accumulate (no all-reduce before the last one).
+            micro_batches.append(batch)
+            if len(micro_batches) < cfg.grad_accum_steps:
+                continue
+            step_tokens = accelerator.reduce(sum((b["labels"] != -100).sum() for b in micro_batches), "sum")
+            scale = cfg.grad_accum_steps * accelerator.num_processes / step_tokens
+            loss_sum = torch.zeros((), device=accelerator.device)
+            for micro in micro_batches:
+                with accelerator.accumulate(model):
+                    micro_sum = modeling.causal_lm_loss(model, micro["input_ids"], micro["labels"], reduction="sum")
+                    accelerator.backward(micro_sum * scale)
+                loss_sum += micro_sum.detach()
+                if step == 0 and "ddp_buckets_per_micro_step" in summary:
+                    summary["ddp_buckets_per_micro_step"].append(list(reduced_buckets))
+                    reduced_buckets.clear()
+            micro_batches = []
+            loss = accelerator.reduce(loss_sum, "sum") / step_tokens  # the step's token mean, on every rank
+            # Clip the full gradient once (fp16: unscaled first). Pre-clip norm returned; inf = measure only.
+            grad_norm = metrics.as_tensor(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf")))
+            if accelerator.distributed_type != DistributedType.DEEPSPEED:  # DeepSpeed keeps its gradients inside
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                clipped_norm = metrics.as_tensor(torch.nn.utils.get_total_norm(grads))
+            else:
+                clipped_norm = torch.tensor(float("nan"))
+            # End new
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+
+            # Every step's loss, averaged over ranks. .item() is a CPU-GPU sync each step: fine
+            # for the baseline; train.py batches these syncs up to one per log interval.
+            loss_value = accelerator.reduce(loss.detach(), "mean").item()
+            summary["losses"].append({"step": step, "loss": loss_value, "lr": scheduler.get_last_lr()[0]})
+            # New: the pre-clip norm and the norm after clipping.
+            summary["losses"][-1].update(grad_norm=grad_norm.item(), grad_norm_after_clip=clipped_norm.item())
+            # End new
+            if step % cfg.log_every == 0 or step == cfg.max_steps:
+                elapsed = time.perf_counter() - interval_start
+                tokens_per_s = (step - last_log_step) * tokens_per_step / elapsed
+                summary["throughput"].append({"step": step, "tokens_per_s": tokens_per_s})
+                bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}",
+                                tok_s=f"{tokens_per_s:,.0f}")
+                interval_start, last_log_step = time.perf_counter(), step
+            bar.update(1)
+            if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+                run_eval(step)
+            if step == cfg.max_steps:
+                break
+        epoch += 1
+    bar.close()
+
+    if cfg.save_model:
+        out = checkpoint.export_pretrained(accelerator, model, tokenizer, f"{cfg.output_dir}/model")
+        probe = eval_set[0]["input_ids"][:8]
+        summary["export"] = {"path": str(out), "probe_input_ids": probe.tolist(),
+                             "probe_logits": checkpoint.probe_logits(accelerator, model, probe)}
+    summary["peak_memory_per_rank"] = metrics.peak_memory(accelerator)
+    if accelerator.is_main_process:
+        metrics.write_summary(f"{cfg.output_dir}/run_summary.json", summary)
+        print(f"done: {step} steps -> {cfg.output_dir}", flush=True)
+    accelerator.wait_for_everyone()  # no rank tears down the process group while another still uses it
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    sys.exit(config.run_cli(main))
