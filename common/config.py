@@ -85,7 +85,7 @@ class TrainConfig:
 
     # --- optimisation ---
     micro_batch_size: int = field(default=16, metadata={"help": "Sequences per device per forward pass."})
-    grad_accum_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
     max_steps: int = field(default=150, metadata={"help": "Optimizer steps to train."})
     lr: float = field(default=3e-3, metadata={"help": "Peak learning rate."})
     lr_schedule: Literal["cosine", "linear", "constant", "wsd"] = field(
@@ -123,7 +123,8 @@ class TrainConfig:
                 raise ConfigError(f"data file not found: {path}")
             if not _has_text(path):
                 raise ConfigError(f"data file is empty: {path}")
-        positive = ("seq_len", "micro_batch_size", "grad_accum_steps", "max_steps", "synthetic_documents")
+        positive = ("seq_len", "micro_batch_size", "gradient_accumulation_steps", "max_steps",
+                    "synthetic_documents")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
@@ -227,7 +228,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
 def describe_setup(cfg: TrainConfig, accelerator, extra: dict | None = None) -> str:
     """The one block printed at start: what really runs, and the global batch it implies."""
     world = accelerator.num_processes
-    seqs = cfg.micro_batch_size * cfg.grad_accum_steps * world
+    seqs = cfg.micro_batch_size * cfg.gradient_accumulation_steps * world
     lines = [
         "=" * 72,
         f"distributed_type : {accelerator.distributed_type.value}",
@@ -235,7 +236,7 @@ def describe_setup(cfg: TrainConfig, accelerator, extra: dict | None = None) -> 
         f"mixed_precision  : {accelerator.mixed_precision}",
         f"device           : {accelerator.device}"
         + (f" ({torch.get_num_threads()} torch threads per process)" if accelerator.device.type == "cpu" else ""),
-        f"global batch     : {seqs} sequences = {cfg.micro_batch_size} micro x {cfg.grad_accum_steps} accum"
+        f"global batch     : {seqs} sequences = {cfg.micro_batch_size} micro x {cfg.gradient_accumulation_steps} accum"
         f" x {world} ranks; {seqs * cfg.seq_len:,} tokens (seq_len {cfg.seq_len})",
     ]
     for key, value in (extra or {}).items():
@@ -254,8 +255,8 @@ def setup_facts(cfg: TrainConfig, accelerator) -> dict:
         "world_size": world,
         "mixed_precision": accelerator.mixed_precision,
         "device": str(accelerator.device),
-        "global_batch_sequences": cfg.micro_batch_size * cfg.grad_accum_steps * world,
-        "global_batch_tokens": cfg.micro_batch_size * cfg.grad_accum_steps * world * cfg.seq_len,
+        "global_batch_sequences": cfg.micro_batch_size * cfg.gradient_accumulation_steps * world,
+        "global_batch_tokens": cfg.micro_batch_size * cfg.gradient_accumulation_steps * world * cfg.seq_len,
         # Which code ran: a recipe copied out with its own common/ must use that copy.
         "code": {"recipe": os.path.abspath(sys.argv[0]), "common": os.path.dirname(os.path.abspath(__file__))},
     }

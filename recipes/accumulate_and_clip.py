@@ -1,10 +1,11 @@
 """Gradient accumulation with token-normalised loss and clipping on the full gradient, in every strategy.
 
     accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/accumulate_and_clip.py \
-        --grad_accum_steps 8 --packing false
-    accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/accumulate_and_clip.py --grad_accum_steps 4
+        --gradient_accumulation_steps 8 --packing false
+    accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/accumulate_and_clip.py \
+        --gradient_accumulation_steps 4
 
-Accumulation: an optimizer step takes grad_accum_steps micro-batches. Inside
+Accumulation: an optimizer step takes gradient_accumulation_steps micro-batches. Inside
 `accelerator.accumulate` the non-final micro-batches run backward without DDP's gradient
 all-reduce (no_sync); the last one synchronises the summed gradients once.
 
@@ -13,8 +14,8 @@ micro-batches and all ranks, not a mean of per-micro-batch means (which over-wei
 short rows whenever rows carry different numbers of targets, e.g. padded fine-tuning data,
 --packing false). So the step's micro-batches are gathered first, their target tokens counted and
 summed over ranks (one scalar all-reduce), and each micro-batch's summed loss is divided by that
-count. accelerator.backward (and DeepSpeed's engine) divide by grad_accum_steps and gradient
-averaging divides by the world size; both are multiplied back in. transformers' Trainer does the
+count. accelerator.backward (and DeepSpeed's engine) divide by gradient_accumulation_steps and
+gradient averaging divides by the world size; both are multiplied back in. transformers' Trainer does the
 same with `num_items_in_batch`.
 
 Clipping: on the full gradient, after the last micro-batch (under fp16 after unscaling), once per
@@ -46,19 +47,21 @@ from common.schedule import build_scheduler
 def main(argv=None):
     cfg = config.parse_config(argv)
     modeling.check_seq_len(cfg)
-    # New: this recipe accumulates (the baseline refuses --grad_accum_steps).
+    # New: this recipe accumulates (the baseline refuses --gradient_accumulation_steps).
     # End new
 
     # Mixed precision, device and process count come from the launch config. The LR schedule is
     # stepped by us once per optimizer step (accelerate would step it world_size times).
     # New: every strategy; accumulation counted in micro-batches, so an epoch boundary inside an
     # accumulation window does not force an early optimizer step.
-    plugin = GradientAccumulationPlugin(num_steps=cfg.grad_accum_steps, sync_with_dataloader=False)
+    plugin = GradientAccumulationPlugin(num_steps=cfg.gradient_accumulation_steps, sync_with_dataloader=False)
     accelerator = Accelerator(step_scheduler_with_optimizer=False, gradient_accumulation_plugin=plugin,
                               fsdp_plugin=strategy.fsdp_plugin())
     strategy.check_launch(accelerator, Path(__file__).name, supports=("single", "ddp", "fsdp", "deepspeed"))
     strategy.configure_deepspeed(accelerator, cfg)
     # End new
+    if accelerator.mixed_precision == "fp16":
+        raise config.ConfigError(f"{Path(__file__).name} does not handle fp16 loss scaling; use fp16_scaler.py")
     set_seed(cfg.seed)
 
     tokenizer = data.build_tokenizer(cfg)
@@ -81,8 +84,9 @@ def main(argv=None):
                "parameters_per_rank": metrics.parameter_facts(model, accelerator),  # at rest, after prepare
                "optimizer_groups": metrics.optimizer_facts(optimizer),
                "losses": [], "eval": [], "throughput": []}
-    # New: an optimizer step now spans grad_accum_steps micro-batches; count DDP's all-reduces.
-    tokens_per_step = cfg.micro_batch_size * cfg.seq_len * accelerator.num_processes * cfg.grad_accum_steps
+    # New: an optimizer step now spans several micro-batches; count DDP's all-reduces.
+    tokens_per_step = cfg.micro_batch_size * cfg.seq_len * accelerator.num_processes
+    tokens_per_step *= cfg.gradient_accumulation_steps
     micro_batches, reduced_buckets = [], []
     if accelerator.distributed_type in (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU):
         def counting_allreduce(state, bucket):  # DDP's default all-reduce, plus a note of the bucket
@@ -111,10 +115,10 @@ def main(argv=None):
             # New: gather the step's micro-batches; normalise by all of its target tokens on all
             # ranks; backward each inside accumulate (no all-reduce before the last one).
             micro_batches.append(batch)
-            if len(micro_batches) < cfg.grad_accum_steps:
+            if len(micro_batches) < cfg.gradient_accumulation_steps:
                 continue
             step_tokens = accelerator.reduce(sum((b["labels"] != -100).sum() for b in micro_batches), "sum")
-            scale = cfg.grad_accum_steps * accelerator.num_processes / step_tokens
+            scale = cfg.gradient_accumulation_steps * accelerator.num_processes / step_tokens
             loss_sum = torch.zeros((), device=accelerator.device)
             for micro in micro_batches:
                 with accelerator.accumulate(model):

@@ -29,13 +29,15 @@ from common.schedule import build_scheduler
 def main(argv=None):
     cfg = config.parse_config(argv)
     modeling.check_seq_len(cfg)
-    if cfg.grad_accum_steps != 1:
+    if cfg.gradient_accumulation_steps != 1:
         raise config.ConfigError(f"{Path(__file__).name} does not accumulate gradients; use recipes/train.py")
 
     # Mixed precision, device and process count come from the launch config. The LR schedule is
     # stepped by us once per optimizer step (accelerate would step it world_size times).
     accelerator = Accelerator(step_scheduler_with_optimizer=False)
     strategy.check_launch(accelerator, Path(__file__).name, supports=("single",))
+    if accelerator.mixed_precision == "fp16":
+        raise config.ConfigError(f"{Path(__file__).name} does not handle fp16 loss scaling; use fp16_scaler.py")
     set_seed(cfg.seed)
 
     tokenizer = data.build_tokenizer(cfg)

@@ -41,7 +41,7 @@ from common.schedule import build_scheduler
 def main(argv=None):
     cfg = config.parse_config(argv)
     modeling.check_seq_len(cfg)
-    if cfg.grad_accum_steps != 1:
+    if cfg.gradient_accumulation_steps != 1:
         raise config.ConfigError(f"{Path(__file__).name} does not accumulate gradients; use recipes/train.py")
 
     # Mixed precision, device and process count come from the launch config. The LR schedule is

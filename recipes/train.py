@@ -46,7 +46,7 @@ def main(argv=None):
 
     # Sync on a count of micro-batches, not at the end of the dataloader: an epoch boundary in
     # the middle of an accumulation window must not trigger an early optimizer step.
-    plugin = GradientAccumulationPlugin(num_steps=cfg.grad_accum_steps, sync_with_dataloader=False)
+    plugin = GradientAccumulationPlugin(num_steps=cfg.gradient_accumulation_steps, sync_with_dataloader=False)
     # We step the LR schedule ourselves, once per optimizer step (accelerate would step it once
     # per process per optimizer step, i.e. world_size times too fast for a schedule in steps).
     accelerator = Accelerator(
@@ -103,7 +103,8 @@ def main(argv=None):
         "eval": [],
         "throughput": [],
     }
-    tokens_per_step = cfg.micro_batch_size * cfg.seq_len * cfg.grad_accum_steps * accelerator.num_processes
+    micro_batches_per_step = cfg.gradient_accumulation_steps * accelerator.num_processes
+    tokens_per_step = cfg.micro_batch_size * cfg.seq_len * micro_batches_per_step
 
     def run_eval(step):
         result = metrics.evaluate(model, eval_loader, accelerator, cfg.eval_batches)
@@ -124,13 +125,13 @@ def main(argv=None):
         # The whole optimizer step's micro-batches first: their target-token count over all
         # micro-batches and ranks normalises the loss, so every target token weighs the same
         # whatever the length of its row (transformers' num_items_in_batch is the same idea).
-        micro_batches = [next(batches) for _ in range(cfg.grad_accum_steps)]
+        micro_batches = [next(batches) for _ in range(cfg.gradient_accumulation_steps)]
         local_tokens = sum((b["labels"] != -100).sum() for b in micro_batches)
         step_tokens = accelerator.reduce(local_tokens, "sum")  # a scalar all-reduce; no host sync
-        # accelerator.backward (and DeepSpeed's engine) divide by grad_accum_steps and gradient
-        # averaging divides by the world size: undo both, so the update follows
+        # accelerator.backward (and DeepSpeed's engine) divide by gradient_accumulation_steps and
+        # gradient averaging divides by the world size: undo both, so the update follows
         # sum(per-token loss over the whole step) / step_tokens, not a mean of means.
-        scale = cfg.grad_accum_steps * accelerator.num_processes / step_tokens
+        scale = cfg.gradient_accumulation_steps * accelerator.num_processes / step_tokens
         loss_sum = torch.zeros((), device=accelerator.device)
         for batch in micro_batches:
             with accelerator.accumulate(model):  # no gradient all-reduce before the last micro-batch

@@ -33,19 +33,26 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: find common/
 
 # Priority order: the most informative runs first, DeepSpeed last (its first use builds CPU ops).
-# (recipe, config, mixed precision, needs several ranks to be meaningful)
+# (recipe, config, mixed precision)
 RUNS = [
     ("train.py", "single_gpu.yaml", "bf16"),
     ("fsdp_full_shard.py", "fsdp.yaml", "bf16"),
     ("ddp.py", "ddp.yaml", "bf16"),
-    ("train.py", "single_gpu.yaml", "fp16"),
+    ("fp16_scaler.py", "fp16.yaml", "fp16"),
+    ("accumulate_and_clip.py", "fsdp.yaml", "bf16"),
     ("train.py", "fsdp.yaml", "bf16"),
     ("train.py", "ddp.yaml", "bf16"),
+    ("train.py", "fsdp.yaml", "fp16"),  # fp16 under FSDP2 can only be proven on GPUs
     ("bf16_baseline.py", "single_gpu.yaml", "bf16"),
+    ("train.py", "fp16.yaml", "fp16"),
+    ("fp16_scaler.py", "ddp.yaml", "fp16"),
+    ("accumulate_and_clip.py", "ddp.yaml", "bf16"),
     ("deepspeed_zero3_offload.py", "deepspeed_zero3_offload.yaml", "bf16"),
     ("train.py", "deepspeed_zero3_offload.yaml", "bf16"),
+    ("train.py", "deepspeed_zero3_offload.yaml", "fp16"),  # DeepSpeed's own loss scaler, GPU only
+    ("accumulate_and_clip.py", "deepspeed_zero3_offload.yaml", "bf16"),
 ]
-SINGLE_PROCESS_CONFIGS = {"single_gpu.yaml", "cpu.yaml"}
+SINGLE_PROCESS_CONFIGS = {"single_gpu.yaml", "fp16.yaml", "cpu.yaml"}
 COLUMNS = ["recipe", "config", "precision", "world", "tokens/s", "MFU", "peak mem GiB", "final loss", "seconds",
            "status"]
 

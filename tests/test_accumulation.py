@@ -31,7 +31,8 @@ def step_args(initial, micro_batch, accum, out):
     # update is ~lr * sign(gradient), blind to the gradient's size; with eps = 1 >> |gradient| it
     # is ~lr * gradient, so the updated weights show any difference in the gradients.
     return ["--model_name_or_path", str(initial), "--packing", "false", "--seq_len", "512",
-            "--synthetic_documents", "2000", "--micro_batch_size", str(micro_batch), "--grad_accum_steps", str(accum),
+            "--synthetic_documents", "2000", "--micro_batch_size", str(micro_batch),
+            "--gradient_accumulation_steps", str(accum),
             "--max_steps", "3", "--warmup_steps", "0", "--lr_schedule", "constant", "--lr", "1.0",
             "--adam_eps", "1.0", "--weight_decay", "0", "--max_grad_norm", str(MAX_GRAD_NORM),
             "--eval_every", "0", "--log_every", "1", "--output_dir", str(out)]

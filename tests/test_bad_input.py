@@ -64,7 +64,7 @@ def test_bad_input_is_one_line(recipe, case, tmp_path, capsys, no_model):
 
 
 def test_baseline_refuses_accumulation(tmp_path, capsys, no_model):
-    code = config.run_cli(load_recipe("bf16_baseline").main, ["--grad_accum_steps", "4"])
+    code = config.run_cli(load_recipe("bf16_baseline").main, ["--gradient_accumulation_steps", "4"])
     assert code == 2 and "does not accumulate" in capsys.readouterr().err
 
 

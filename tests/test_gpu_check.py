@@ -34,7 +34,8 @@ def test_dry_run_lists_every_readme_pair_in_priority_order():
     assert len(expected) >= 7
     assert expected <= set(planned), expected - set(planned)
     assert planned[0] == ("train.py", "single_gpu.yaml")  # the most important run goes first
-    assert [p for p in planned if "deepspeed" in p[1]] == planned[-2:]  # its op build goes last
+    deepspeed = [i for i, p in enumerate(planned) if "deepspeed" in p[1]]
+    assert deepspeed == list(range(len(planned) - len(deepspeed), len(planned)))  # its op build goes last
 
 
 def run_check(tmp_path, hf_home, budget):
@@ -49,20 +50,21 @@ def run_check(tmp_path, hf_home, budget):
 def test_runs_on_cpu_with_the_debug_preset(tmp_path, hf_home):
     proc, rows, table = run_check(tmp_path, hf_home, budget=300)
     assert [(r["recipe"], r["config"], r["precision"]) for r in rows] == [
-        ("train.py", "single_gpu.yaml", "bf16"), ("train.py", "single_gpu.yaml", "fp16"),
-        ("bf16_baseline.py", "single_gpu.yaml", "bf16")]
+        ("train.py", "single_gpu.yaml", "bf16"), ("fp16_scaler.py", "fp16.yaml", "fp16"),
+        ("bf16_baseline.py", "single_gpu.yaml", "bf16"), ("train.py", "fp16.yaml", "fp16")]
     for row in rows[0], rows[2]:
         assert row["status"] == "ok" and row["world"] == 1 and row["tokens/s"] > 0
         assert 0 < row["final loss"] < 10 and row["peak mem GiB"] > 0
         assert row["MFU"] is None  # no datasheet peak for a CPU
-    # fp16 on CPU: the recipe's guard refuses it, and the row says why
-    assert rows[1]["status"].startswith("failed (exit 1): fp16 without a GradScaler")
+    # fp16 on CPU without the harness: the recipes' guard refuses it, and the row says why
+    for row in rows[1], rows[3]:
+        assert row["status"].startswith("failed (exit 1): fp16 without a GradScaler")
     assert proc.returncode == 1  # a failed run fails the check
-    assert "| train.py | single_gpu.yaml | bf16 | 1 |" in table and table.count("\n| ") == 4
+    assert "| train.py | single_gpu.yaml | bf16 | 1 |" in table and table.count("\n| ") == 5
     assert "- command: `python " in table and '"torch": ' in table
 
 
 def test_budget_stops_starting_runs(tmp_path, hf_home):
     proc, rows, _ = run_check(tmp_path, hf_home, budget=0)
-    assert [r["status"] for r in rows] == ["skipped (budget)"] * 3
+    assert [r["status"] for r in rows] == ["skipped (budget)"] * 4
     assert proc.returncode == 0

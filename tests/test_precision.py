@@ -26,7 +26,7 @@ def fp16_recipe_run(tmp_path_factory, hf_home):
 def fp16_train_run(tmp_path_factory, hf_home):
     """train.py with fp16, accumulation and clipping together."""
     out = tmp_path_factory.mktemp("fp16_train")
-    args = FP16_ARGS + ["--micro_batch_size", "4", "--grad_accum_steps", "2", "--max_grad_norm", "1.0",
+    args = FP16_ARGS + ["--micro_batch_size", "4", "--gradient_accumulation_steps", "2", "--max_grad_norm", "1.0",
                         "--output_dir", str(out)]
     proc = launch("train.py", args, hf_home, config="fp16.yaml",
                   launch_args=["--cpu", "--num_cpu_threads_per_process", "2"], env=HARNESS)
