@@ -151,8 +151,13 @@ def main(argv=None):
             optimizer.step()
             # fp16: the GradScaler skips a step with inf/NaN gradients and halves its scale. A fused
             # AdamW applies the skip itself, which accelerate's optimizer_step_was_skipped does not
-            # see (it reports False): the scale going down is the reliable sign.
-            if scale_before is not None and accelerator.scaler.get_scale() < scale_before:
+            # see (it reports False): the scale going down is the reliable sign. DeepSpeed has its
+            # own fp16 loss scaler, whose overflow flag accelerate does report.
+            if scale_before is not None:
+                skipped = accelerator.scaler.get_scale() < scale_before
+            else:
+                skipped = accelerator.optimizer_step_was_skipped
+            if skipped:
                 skipped_overflow += 1
             else:
                 scheduler.step()  # a skipped step does not advance the schedule
