@@ -1,16 +1,83 @@
 """Checkpoints and export.
 
-For now: the final Hugging Face export (safetensors + config + tokenizer) that any
-`AutoModelForCausalLM.from_pretrained` can load. Resumable training checkpoints come with the
-checkpointing work (see the README's status table).
+Resumable checkpoints: `<output_dir>/checkpoints/step_<N>/` holds accelerate's `save_state` (model,
+optimizer, scheduler, GradScaler, every rank's RNG; sharded per rank under FSDP2 and DeepSpeed)
+plus `checkpoint.json`: the step, the data position and the resolved config. A checkpoint is
+written under a temporary name and renamed only when every rank has finished and checkpoint.json
+is in place, so a folder named step_<N> is always complete. Rotation keeps the newest
+--save_total_limit by step number (never sorted as text: step_9 < step_10).
+
+Export: a Hugging Face folder (safetensors + config + tokenizer) that any
+`AutoModelForCausalLM.from_pretrained` can load.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import json
+import re
+import shutil
+
 import torch
 from accelerate.utils import DistributedType
+
+CHECKPOINT_DIR = "checkpoints"
+METADATA = "checkpoint.json"
+
+
+def list_complete(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints (step_<N> with checkpoint.json), oldest first by step number."""
+    root = Path(output_dir) / CHECKPOINT_DIR
+    found = []
+    for path in root.glob("step_*"):
+        match = re.fullmatch(r"step_(\d+)", path.name)
+        if match and (path / METADATA).is_file():
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def resolve_resume(cfg) -> Path | None:
+    """--resume_from_checkpoint: 'auto' = the newest complete checkpoint of output_dir, or None."""
+    if cfg.resume_from_checkpoint is None:
+        return None
+    if cfg.resume_from_checkpoint == "auto":
+        complete = list_complete(cfg.output_dir)
+        return complete[-1] if complete else None
+    return Path(cfg.resume_from_checkpoint)
+
+
+def save(accelerator, output_dir: str | Path, step: int, metadata: dict, keep: int = 0) -> Path:
+    """Write step_<step> atomically (all ranks call this), then rotate old checkpoints."""
+    root = Path(output_dir) / CHECKPOINT_DIR
+    final, partial = root / f"step_{step}", root / f".step_{step}.partial"
+    if accelerator.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save
+        root.mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(partial))  # every rank writes its part (shards, RNG)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (partial / METADATA).write_text(json.dumps({"step": step, **metadata}, indent=1))
+        if final.exists():  # the same step saved before (e.g. a rerun): replace it only now
+            shutil.rmtree(final)
+        partial.rename(final)
+        if keep:
+            for old in list_complete(output_dir)[:-keep]:
+                shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load(accelerator, path: str | Path, optimizer, scheduler) -> dict:
+    """Restore everything save_state wrote (call on every rank); return checkpoint.json."""
+    accelerator.load_state(str(path))
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        # DeepSpeed's load_checkpoint gives its optimizer new param_group dicts; the torch LR
+        # scheduler would keep setting the lr of the old ones and the real lr would freeze at its
+        # value at save time (measured: resumed ZeRO-3 losses drifted from step N+3 on).
+        scheduler.scheduler.optimizer = optimizer.optimizer
+    return json.loads((Path(path) / METADATA).read_text())
 
 
 def export_pretrained(accelerator, model, tokenizer, out_dir: str | Path) -> Path:

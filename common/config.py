@@ -112,6 +112,19 @@ class TrainConfig:
     log_every: int = field(default=10, metadata={"help": "Refresh the progress bar / log every N steps."})
     save_model: bool = field(default=True, metadata={"help": "Write a Hugging Face folder (safetensors) at the end."})
 
+    # --- checkpoints (train.py) ---
+    save_every: int = field(
+        default=0, metadata={"help": "Save a resumable checkpoint every N optimizer steps (and at the end); 0 = never."}
+    )
+    save_total_limit: int = field(default=0, metadata={"help": "Keep only the newest N checkpoints; 0 = keep all."})
+    resume_from_checkpoint: str | None = field(
+        default=None,
+        metadata={"help": "'auto' (newest complete checkpoint in output_dir, else start fresh) or a checkpoint folder."},
+    )
+    log_sample_ids: bool = field(
+        default=False, metadata={"help": "Record every batch's sample ids per rank in run_summary.json (resume tests)."}
+    )
+
     def __post_init__(self):
         # Checks that need no model and no data: they run before anything heavy.
         if self.model_name_or_path is None and self.preset not in PRESET_NAMES:
@@ -132,6 +145,12 @@ class TrainConfig:
             raise ConfigError(f"--eval_fraction must be in (0, 1), got {self.eval_fraction}")
         if self.warmup_steps < 0 or self.warmup_steps > self.max_steps:
             raise ConfigError(f"--warmup_steps must be in [0, max_steps={self.max_steps}], got {self.warmup_steps}")
+        if self.save_every < 0 or self.save_total_limit < 0:
+            raise ConfigError("--save_every and --save_total_limit must be >= 0")
+        if self.resume_from_checkpoint not in (None, "auto"):
+            marker = os.path.join(self.resume_from_checkpoint, "checkpoint.json")
+            if not os.path.isfile(marker):
+                raise ConfigError(f"not a complete checkpoint (no checkpoint.json): {self.resume_from_checkpoint}")
         if self.fp16_init_scale <= 0 or self.max_nonfinite_steps <= 0:
             raise ConfigError("--fp16_init_scale and --max_nonfinite_steps must be positive")
         if self.lr <= 0:

@@ -31,7 +31,9 @@ import sys
 import time
 from pathlib import Path
 
+# New: tensors for the step's loss and token count.
 import torch
+# End new
 from accelerate import Accelerator
 # New: accumulation that syncs on a micro-batch count (not at epoch ends); DDP's default hook.
 from accelerate.utils import DistributedType, GradientAccumulationPlugin, set_seed
@@ -47,6 +49,8 @@ from common.schedule import build_scheduler
 def main(argv=None):
     cfg = config.parse_config(argv)
     modeling.check_seq_len(cfg)
+    if cfg.save_every or cfg.resume_from_checkpoint:
+        raise config.ConfigError(f"{Path(__file__).name} writes no resumable checkpoints; use recipes/train.py")
     # New: this recipe accumulates (the baseline refuses --gradient_accumulation_steps).
     # End new
 

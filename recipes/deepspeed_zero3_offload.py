@@ -32,7 +32,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
@@ -45,6 +44,8 @@ from common.schedule import build_scheduler
 def main(argv=None):
     cfg = config.parse_config(argv)
     modeling.check_seq_len(cfg)
+    if cfg.save_every or cfg.resume_from_checkpoint:
+        raise config.ConfigError(f"{Path(__file__).name} writes no resumable checkpoints; use recipes/train.py")
     if cfg.gradient_accumulation_steps != 1:
         raise config.ConfigError(f"{Path(__file__).name} does not accumulate gradients; use recipes/train.py")
 

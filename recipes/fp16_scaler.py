@@ -26,7 +26,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 from accelerate import Accelerator
 # New: the GradScaler's settings (its initial scale) go through accelerate's kwargs handler.
 from accelerate.utils import GradScalerKwargs, set_seed
@@ -41,6 +40,8 @@ from common.schedule import build_scheduler
 def main(argv=None):
     cfg = config.parse_config(argv)
     modeling.check_seq_len(cfg)
+    if cfg.save_every or cfg.resume_from_checkpoint:
+        raise config.ConfigError(f"{Path(__file__).name} writes no resumable checkpoints; use recipes/train.py")
     if cfg.gradient_accumulation_steps != 1:
         raise config.ConfigError(f"{Path(__file__).name} does not accumulate gradients; use recipes/train.py")
 

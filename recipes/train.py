@@ -15,6 +15,7 @@ Not yet: resumable checkpoints, trackers, the multi-process strategies' start-up
 (see the README's status table).
 """
 
+import dataclasses
 import math
 import sys
 import time
@@ -22,7 +23,7 @@ import time
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, GradientAccumulationPlugin, GradScalerKwargs, set_seed
+from accelerate.utils import DistributedType, GradientAccumulationPlugin, GradScalerKwargs, gather_object, set_seed
 from tqdm.auto import tqdm
 
 from common import checkpoint, config, data, metrics, strategy
@@ -30,13 +31,17 @@ from common import model as modeling
 from common.schedule import build_scheduler
 
 
-def batches_forever(loader):
-    """Micro-batches across epochs; each epoch's order is a function of (seed, epoch)."""
-    epoch = 0
+def batches_forever(accelerator, loader, start: int = 0):
+    """Micro-batches across epochs, starting after `start` micro-batches (a resumed run).
+
+    Each epoch's order is a function of (seed, epoch) alone (data.EpochShuffleSampler), so the
+    position is (epoch, batches into it) and skipping is exact even after load_state has
+    restored the global RNG."""
+    epoch, skip = divmod(start, len(loader))
     while True:
         loader.set_epoch(epoch)
-        yield from loader
-        epoch += 1
+        yield from (accelerator.skip_first_batches(loader, skip) if skip else loader)
+        skip, epoch = 0, epoch + 1
 
 
 def main(argv=None):
@@ -113,19 +118,32 @@ def main(argv=None):
             tqdm.write(f"step {step}: eval loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f}")
 
     # ---- training loop ----
-    if cfg.eval_every > 0:
+    # ---- resume: model, optimizer, schedule, scaler, RNG of every rank, data position ----
+    start_step, micro_batches_done = 0, 0
+    resume_path = checkpoint.resolve_resume(cfg)
+    if resume_path is not None:
+        state = checkpoint.load(accelerator, resume_path, optimizer, scheduler)
+        start_step, micro_batches_done = state["step"], state["micro_batches_done"]
+        summary["resumed_from"] = {"path": str(resume_path), "step": start_step}
+        if accelerator.is_main_process:
+            print(f"resumed from {resume_path} at step {start_step}", flush=True)
+    elif cfg.eval_every > 0:
         run_eval(0)
     model.train()
-    batches = batches_forever(train_loader)
+    batches = batches_forever(accelerator, train_loader, micro_batches_done)
     pending = []  # per-step losses kept on device; fetched at log points (one sync per interval)
     interval_start, interval_steps = time.perf_counter(), 0
-    bar = tqdm(total=cfg.max_steps, disable=not accelerator.is_main_process, desc="train")
+    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not accelerator.is_main_process, desc="train")
+    sample_ids = []  # per step, this rank's sample ids (--log_sample_ids)
     nonfinite_in_row, skipped_nonfinite, skipped_overflow = 0, 0, 0
-    for step in range(1, cfg.max_steps + 1):
+    for step in range(start_step + 1, cfg.max_steps + 1):
         # The whole optimizer step's micro-batches first: their target-token count over all
         # micro-batches and ranks normalises the loss, so every target token weighs the same
         # whatever the length of its row (transformers' num_items_in_batch is the same idea).
         micro_batches = [next(batches) for _ in range(cfg.gradient_accumulation_steps)]
+        micro_batches_done += len(micro_batches)
+        if cfg.log_sample_ids:
+            sample_ids.append([i for b in micro_batches for i in b["index"].tolist()])
         local_tokens = sum((b["labels"] != -100).sum() for b in micro_batches)
         step_tokens = accelerator.reduce(local_tokens, "sum")  # a scalar all-reduce; no host sync
         # accelerator.backward (and DeepSpeed's engine) divide by gradient_accumulation_steps and
@@ -177,7 +195,8 @@ def main(argv=None):
             grad_norm = None  # skipped: the gradients are dropped below, the schedule waits
         optimizer.zero_grad(set_to_none=True)
         loss_scale = accelerator.scaler.get_scale() if accelerator.scaler is not None else None
-        pending.append((step, scheduler.get_last_lr()[0], step_loss, metrics.as_tensor(grad_norm), loss_scale))
+        lr = optimizer.param_groups[0]["lr"]  # what the optimizer will really use next, not what the schedule says
+        pending.append((step, lr, step_loss, metrics.as_tensor(grad_norm), loss_scale))
         interval_steps += 1
 
         if step % cfg.log_every == 0 or step == cfg.max_steps:
@@ -198,11 +217,17 @@ def main(argv=None):
             pending, interval_start, interval_steps = [], time.perf_counter(), 0
         if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.max_steps):
             run_eval(step)
+        if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps):
+            checkpoint.save(accelerator, cfg.output_dir, step, keep=cfg.save_total_limit, metadata={
+                "micro_batches_done": micro_batches_done,  # per rank; the epoch follows from it
+                "tokens_seen": step * tokens_per_step, "config": dataclasses.asdict(cfg)})
     bar.close()
+    if cfg.log_sample_ids:
+        summary["sample_ids_per_rank"] = gather_object([sample_ids]) if accelerator.num_processes > 1 else [sample_ids]
     summary["skipped_steps"] = {"nonfinite_loss": skipped_nonfinite, "fp16_overflow": skipped_overflow}
 
     # ---- export and record ----
-    summary["tokens_seen"] = cfg.max_steps * tokens_per_step
+    summary["tokens_seen"] = cfg.max_steps * tokens_per_step  # of the whole run, resumed or not
     if cfg.save_model:
         out = checkpoint.export_pretrained(accelerator, model, tokenizer, f"{cfg.output_dir}/model")
         probe = eval_set[0]["input_ids"][:8]

@@ -11,7 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from accelerate.utils import set_seed
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common.config import TrainConfig
+from common.data import build_tokenizer
+from common.model import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
@@ -79,17 +84,21 @@ class Run:
         self.summary = read_summary(output_dir)
 
 
+# train.py also saves a checkpoint half-way, which the resume tests start from.
+TRAIN_ARGS = DEBUG_ARGS + ["--save_every", "30", "--log_sample_ids"]
+
+
 @pytest.fixture(scope="session")
 def train_run(tmp_path_factory, hf_home):
     out = tmp_path_factory.mktemp("train_debug")
-    return Run(out, launch("train.py", DEBUG_ARGS + ["--output_dir", str(out)], hf_home))
+    return Run(out, launch("train.py", TRAIN_ARGS + ["--output_dir", str(out)], hf_home))
 
 
 @pytest.fixture(scope="session")
 def train_run_again(tmp_path_factory, hf_home, train_run):
     """The same command again (after train_run, so it also shows the tokenised cache is reused)."""
     out = tmp_path_factory.mktemp("train_debug_again")
-    return Run(out, launch("train.py", DEBUG_ARGS + ["--output_dir", str(out)], hf_home))
+    return Run(out, launch("train.py", TRAIN_ARGS + ["--output_dir", str(out)], hf_home))
 
 
 @pytest.fixture(scope="session")
@@ -124,3 +133,77 @@ def check_export_reproduces_model(run: Run):
         logits = model(torch.tensor([export["probe_input_ids"]])).logits[0]
     diff = (logits - torch.tensor(export["probe_logits"])).abs().max().item()
     assert diff < 1e-5, diff
+
+
+# ---- 2-process runs of each (recipe, config) pair, shared by the distributed and checkpoint tests ----
+# Global batch 8 like the 1-process reference: 4 sequences x 2 ranks.
+TWO_RANK_ARGS = DEBUG_ARGS + ["--micro_batch_size", "4"]
+
+PAIRS = {
+    "ddp.py/ddp.yaml": ("ddp.py", "ddp.yaml"),
+    "train.py/ddp.yaml": ("train.py", "ddp.yaml"),
+    "fsdp_full_shard.py/fsdp.yaml": ("fsdp_full_shard.py", "fsdp.yaml"),
+    "train.py/fsdp.yaml": ("train.py", "fsdp.yaml"),
+    "deepspeed_zero3_offload.py/deepspeed_zero3_offload.yaml": ("deepspeed_zero3_offload.py", "deepspeed_zero3_offload.yaml"),
+    "train.py/deepspeed_zero3_offload.yaml": ("train.py", "deepspeed_zero3_offload.yaml"),
+}
+@pytest.fixture(scope="session")
+def initial_model(tmp_path_factory):
+    """The reference run's initial weights (seed 1234, debug preset), saved as a HF folder.
+
+    train.py under FSDP2 and ZeRO-3 starts from this folder, which tests the pretrained path of
+    both (FSDP2: rank 0 reads the weights, the others get them by broadcast) and lets ZeRO-3 take
+    part in the parity test: built inside deepspeed.zero.Init, a random init is drawn in another
+    order (measured: step-0 held-out loss 5.6113 instead of 5.5656)."""
+    folder = tmp_path_factory.mktemp("initial_model")
+    set_seed(1234)
+    build_model(TrainConfig(preset="debug"), 259).save_pretrained(folder)
+    build_tokenizer(TrainConfig()).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def two_process_runs(tmp_path_factory, hf_home, initial_model):
+    """Launch each pair once, lazily, and keep the result for every test that asks."""
+    runs = {}
+
+    def get(pair: str) -> Run:
+        if pair not in runs:
+            recipe, config = PAIRS[pair]
+            out = tmp_path_factory.mktemp(pair.replace("/", "__"))
+            args = TWO_RANK_ARGS + ["--output_dir", str(out)]
+            if recipe == "train.py":
+                args += ["--save_every", "30", "--log_sample_ids"]  # the resume tests start from step 30
+            if pair.startswith("train.py/") and config != "ddp.yaml":
+                # the pretrained path: FSDP2's rank-0 loading + broadcast, ZeRO-3's partitioned load
+                args += ["--model_name_or_path", str(initial_model)]
+            runs[pair] = Run(out, launch_two_processes(recipe, config, args, hf_home))
+        return runs[pair]
+
+    return get
+
+
+# ---- fp16 on CPU through the harness, shared by the precision and checkpoint tests ----
+HARNESS = {"ACCELERATE_RECIPES_CPU_HARNESS": "1", "PYTHONPATH": str(ROOT / "scripts" / "cpu_harness")}
+# An initial scale of 2^24 makes the first steps overflow for real (no mock): each is skipped and
+# the scale halves until the scaled gradients fit in fp16.
+FP16_ARGS = DEBUG_ARGS + ["--max_steps", "20", "--eval_every", "20", "--fp16_init_scale", "16777216"]
+
+
+@pytest.fixture(scope="session")
+def fp16_recipe_run(tmp_path_factory, hf_home):
+    out = tmp_path_factory.mktemp("fp16_scaler")
+    proc = launch("fp16_scaler.py", FP16_ARGS + ["--output_dir", str(out)], hf_home, config="fp16.yaml",
+                  launch_args=["--cpu", "--num_cpu_threads_per_process", "2"], env=HARNESS)
+    return Run(out, proc)
+
+
+@pytest.fixture(scope="session")
+def fp16_train_run(tmp_path_factory, hf_home):
+    """train.py with fp16, accumulation and clipping together."""
+    out = tmp_path_factory.mktemp("fp16_train")
+    args = FP16_ARGS + ["--micro_batch_size", "4", "--gradient_accumulation_steps", "2", "--max_grad_norm", "1.0",
+                        "--save_every", "10", "--log_sample_ids", "--output_dir", str(out)]
+    proc = launch("train.py", args, hf_home, config="fp16.yaml",
+                  launch_args=["--cpu", "--num_cpu_threads_per_process", "2"], env=HARNESS)
+    return Run(out, proc)

@@ -2,7 +2,6 @@
 recipes' own entry point (config.run_cli), plus one real `accelerate launch`."""
 
 import importlib.util
-import json
 
 import pytest
 

@@ -4,60 +4,11 @@ many tests read each run's run_summary.json. Reference: the 1-process `train_run
 import shutil
 
 import pytest
-from accelerate.utils import set_seed
+from conftest import (PAIRS, ROOT, TWO_RANK_ARGS, Run, check_export_reproduces_model, check_loss_goes_down,
+                      launch_two_processes)
 
-from common.config import TrainConfig
-from common.data import build_tokenizer
-from common.model import build_model
-from conftest import DEBUG_ARGS, ROOT, Run, check_export_reproduces_model, check_loss_goes_down, launch_two_processes
-
-# Global batch 8 like the 1-process reference: 4 sequences x 2 ranks.
-TWO_RANK_ARGS = DEBUG_ARGS + ["--micro_batch_size", "4"]
-
-PAIRS = {
-    "ddp.py/ddp.yaml": ("ddp.py", "ddp.yaml"),
-    "train.py/ddp.yaml": ("train.py", "ddp.yaml"),
-    "fsdp_full_shard.py/fsdp.yaml": ("fsdp_full_shard.py", "fsdp.yaml"),
-    "train.py/fsdp.yaml": ("train.py", "fsdp.yaml"),
-    "deepspeed_zero3_offload.py/deepspeed_zero3_offload.yaml": ("deepspeed_zero3_offload.py", "deepspeed_zero3_offload.yaml"),
-    "train.py/deepspeed_zero3_offload.yaml": ("train.py", "deepspeed_zero3_offload.yaml"),
-}
 DISTRIBUTED_TYPE = {"ddp.yaml": "MULTI_CPU", "fsdp.yaml": "FSDP", "deepspeed_zero3_offload.yaml": "DEEPSPEED"}
 NUM_PARAMETER_TENSORS = 21  # debug preset: embedding, 2 x 9 per layer, final norm, lm_head
-
-
-@pytest.fixture(scope="session")
-def initial_model(tmp_path_factory):
-    """The reference run's initial weights (seed 1234, debug preset), saved as a HF folder.
-
-    train.py under FSDP2 and ZeRO-3 starts from this folder, which tests the pretrained path of
-    both (FSDP2: rank 0 reads the weights, the others get them by broadcast) and lets ZeRO-3 take
-    part in the parity test: built inside deepspeed.zero.Init, a random init is drawn in another
-    order (measured: step-0 held-out loss 5.6113 instead of 5.5656)."""
-    folder = tmp_path_factory.mktemp("initial_model")
-    set_seed(1234)
-    build_model(TrainConfig(preset="debug"), 259).save_pretrained(folder)
-    build_tokenizer(TrainConfig()).save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="session")
-def two_process_runs(tmp_path_factory, hf_home, initial_model):
-    """Launch each pair once, lazily, and keep the result for every test that asks."""
-    runs = {}
-
-    def get(pair: str) -> Run:
-        if pair not in runs:
-            recipe, config = PAIRS[pair]
-            out = tmp_path_factory.mktemp(pair.replace("/", "__"))
-            args = TWO_RANK_ARGS + ["--output_dir", str(out)]
-            if pair.startswith("train.py/") and config != "ddp.yaml":
-                # the pretrained path: FSDP2's rank-0 loading + broadcast, ZeRO-3's partitioned load
-                args += ["--model_name_or_path", str(initial_model)]
-            runs[pair] = Run(out, launch_two_processes(recipe, config, args, hf_home))
-        return runs[pair]
-
-    return get
 
 
 @pytest.mark.parametrize("pair", PAIRS)

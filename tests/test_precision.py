@@ -2,35 +2,8 @@
 fp16 autocast that accelerate does not build on CPU)."""
 
 import math
-import sys
 
-import pytest
-
-from conftest import DEBUG_ARGS, ROOT, Run, launch
-
-HARNESS = {"ACCELERATE_RECIPES_CPU_HARNESS": "1", "PYTHONPATH": str(ROOT / "scripts" / "cpu_harness")}
-# An initial scale of 2^24 makes the first steps overflow for real (no mock): each is skipped and
-# the scale halves until the scaled gradients fit in fp16.
-FP16_ARGS = DEBUG_ARGS + ["--max_steps", "20", "--eval_every", "20", "--fp16_init_scale", "16777216"]
-
-
-@pytest.fixture(scope="session")
-def fp16_recipe_run(tmp_path_factory, hf_home):
-    out = tmp_path_factory.mktemp("fp16_scaler")
-    proc = launch("fp16_scaler.py", FP16_ARGS + ["--output_dir", str(out)], hf_home, config="fp16.yaml",
-                  launch_args=["--cpu", "--num_cpu_threads_per_process", "2"], env=HARNESS)
-    return Run(out, proc)
-
-
-@pytest.fixture(scope="session")
-def fp16_train_run(tmp_path_factory, hf_home):
-    """train.py with fp16, accumulation and clipping together."""
-    out = tmp_path_factory.mktemp("fp16_train")
-    args = FP16_ARGS + ["--micro_batch_size", "4", "--gradient_accumulation_steps", "2", "--max_grad_norm", "1.0",
-                        "--output_dir", str(out)]
-    proc = launch("train.py", args, hf_home, config="fp16.yaml",
-                  launch_args=["--cpu", "--num_cpu_threads_per_process", "2"], env=HARNESS)
-    return Run(out, proc)
+from conftest import HARNESS, ROOT
 
 
 def check_overflow_handling(rows, skipped_of):
