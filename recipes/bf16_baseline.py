@@ -9,7 +9,8 @@ bf16 keeps fp32's 8-bit exponent, so gradients do not underflow and no loss scal
 (compare fp16_scaler.py). The precision comes from the launch config (`mixed_precision`), so the
 same file also runs in fp32 (`no`).
 
-Left out on purpose (see train.py): gradient accumulation, resumable checkpoints, trackers.
+Left out on purpose (see train.py): gradient accumulation, fp16 loss scaling, resumable checkpoints,
+trackers; asking for them is refused at start-up.
 """
 
 import sys

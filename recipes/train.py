@@ -4,15 +4,22 @@
     accelerate launch --config_file accelerate_configs/cpu.yaml recipes/train.py --preset debug
     accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/train.py --preset small
 
-Options: `python recipes/train.py --help` (or a YAML file with --config). Data flow, in order:
-config -> Accelerator -> tokenizer -> data -> model -> prepare -> loop (forward, loss, backward,
-clip, step, schedule, log, eval) -> Hugging Face export -> run_summary.json.
+    accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/train.py --preset 1b
+    accelerate launch recipes/train.py --save_every 50 --resume_from_checkpoint auto
 
-Features: mixed precision from the launch config (no / bf16), gradient accumulation, gradient
-clipping, four LR schedules, periodic held-out eval (loss, perplexity), gradient checkpointing,
-pretrained start (--model_name_or_path), fused AdamW, tqdm bar with loss, lr and tokens/s.
-Not yet: resumable checkpoints, trackers, the multi-process strategies' start-up guard
-(see the README's status table).
+Options: `python recipes/train.py --help` (or a YAML file with --config). Data flow, in order:
+config -> Accelerator (+ start-up guard) -> tokenizer -> data -> model -> prepare -> resume ->
+loop (forward, loss, backward, clip, step, schedule, log, eval, checkpoint) -> Hugging Face export
+-> run_summary.json.
+
+Features: every config in accelerate_configs/ (single process, DDP, FSDP2, DeepSpeed ZeRO-3);
+mixed precision from the launch config (no / bf16 / fp16 with a GradScaler whose skipped steps
+hold the schedule); gradient accumulation with the loss normalised by the step's target tokens
+over all micro-batches and ranks; clipping on the full gradient (pre-clip norm logged); NaN/inf
+losses skipped, counted, and fatal after --max_nonfinite_steps in a row; four LR schedules;
+held-out eval; gradient checkpointing; pretrained start; resumable, atomic, rotated checkpoints
+with exact resume; fused AdamW; tqdm bar with loss, lr and tokens/s.
+Not yet: trackers, MFU in the run, preemption handling (see the README's status table).
 """
 
 import dataclasses
