@@ -246,12 +246,15 @@ def main(argv=None):
     summary["peak_memory_per_rank"] = metrics.peak_memory(accelerator)
     if accelerator.is_main_process:
         rates = [t["tokens_per_s"] for t in summary["throughput"]]
-        summary["tokens_per_s_median"] = float(np.median(rates))
+        summary["tokens_per_s_median"] = float(np.median(rates)) if rates else None
         metrics.write_summary(f"{cfg.output_dir}/run_summary.json", summary)
-        final = summary["eval"][-1]["loss"] if summary["eval"] else math.nan
-        print(f"done: {cfg.max_steps} steps, final eval loss {final:.4f} "
-              f"(bigram entropy of held-out data {summary['data']['eval_bigram_entropy']:.4f}), "
-              f"median {summary['tokens_per_s_median']:,.0f} tokens/s -> {cfg.output_dir}", flush=True)
+        if not rates:  # resumed at max_steps: nothing trained, only exported
+            print(f"done: no steps to run (resumed at step {start_step}) -> {cfg.output_dir}", flush=True)
+        else:
+            final = summary["eval"][-1]["loss"] if summary["eval"] else math.nan
+            print(f"done: {cfg.max_steps} steps, final eval loss {final:.4f} "
+                  f"(bigram entropy of held-out data {summary['data']['eval_bigram_entropy']:.4f}), "
+                  f"median {summary['tokens_per_s_median']:,.0f} tokens/s -> {cfg.output_dir}", flush=True)
     accelerator.wait_for_everyone()  # no rank tears down the process group while another still uses it
     accelerator.end_training()
 

@@ -95,6 +95,7 @@ def test_export_from_a_saved_checkpoint(tmp_path, hf_home, train_run):
     args = TRAIN_ARGS + ["--max_steps", "30", "--save_every", "0"]
     run = Run(tmp_path, launch("train.py", resume_args(args, train_run, 30, tmp_path), hf_home))
     assert run.summary["losses"] == [] and run.summary["resumed_from"]["step"] == 30
+    assert "done: no steps to run (resumed at step 30)" in run.proc.stdout
     check_export_reproduces_model(run)
 
 
