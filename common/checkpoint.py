@@ -47,6 +47,30 @@ def resolve_resume(cfg) -> Path | None:
     return Path(cfg.resume_from_checkpoint)
 
 
+def check_compatible(path: str | Path, cfg, accelerator) -> None:
+    """Refuse, before any heavy work, a checkpoint this run cannot continue exactly: another model,
+    another strategy, or another world size (sharded states and the per-rank data position depend
+    on it; resharding on resume is not supported yet)."""
+    from common.config import ConfigError
+
+    meta_file = Path(path) / METADATA
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"unreadable checkpoint metadata {meta_file}: {err}") from None
+    saved_cfg, saved_setup = meta.get("config", {}), meta.get("setup", {})
+    saved_model = saved_cfg.get("model_name_or_path") or f"preset {saved_cfg.get('preset')!r}"
+    this_model = cfg.model_name_or_path or f"preset {cfg.preset!r}"
+    if saved_cfg.get("model_name_or_path") is None and cfg.model_name_or_path is None and saved_model != this_model:
+        raise ConfigError(f"{meta_file} was saved from {saved_model}; this run builds {this_model}")
+    this_setup = {"distributed_type": accelerator.distributed_type.value, "world_size": accelerator.num_processes}
+    for key, value in this_setup.items():
+        if saved_setup.get(key) != value:
+            raise ConfigError(
+                f"{meta_file} was saved with {key} {saved_setup.get(key)}; this run has {value}: resume with the "
+                "launch config and process count it was saved with")
+
+
 def save(accelerator, output_dir: str | Path, step: int, metadata: dict, keep: int = 0) -> Path:
     """Write step_<step> atomically (all ranks call this), then rotate old checkpoints."""
     root = Path(output_dir) / CHECKPOINT_DIR

@@ -69,6 +69,9 @@ def main(argv=None):
     )
     strategy.check_launch(accelerator, "train.py", supports=("single", "ddp", "fsdp", "deepspeed"))
     strategy.configure_deepspeed(accelerator, cfg)  # DeepSpeed clips in its step: pass --max_grad_norm on
+    resume_path = checkpoint.resolve_resume(cfg)
+    if resume_path is not None:
+        checkpoint.check_compatible(resume_path, cfg, accelerator)  # before any heavy work
     set_seed(cfg.seed)  # the same seed on every rank: identical initial weights everywhere
 
     tokenizer = data.build_tokenizer(cfg)
@@ -127,7 +130,6 @@ def main(argv=None):
     # ---- training loop ----
     # ---- resume: model, optimizer, schedule, scaler, RNG of every rank, data position ----
     start_step, micro_batches_done = 0, 0
-    resume_path = checkpoint.resolve_resume(cfg)
     if resume_path is not None:
         state = checkpoint.load(accelerator, resume_path, optimizer, scheduler)
         start_step, micro_batches_done = state["step"], state["micro_batches_done"]
@@ -227,7 +229,8 @@ def main(argv=None):
         if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps):
             checkpoint.save(accelerator, cfg.output_dir, step, keep=cfg.save_total_limit, metadata={
                 "micro_batches_done": micro_batches_done,  # per rank; the epoch follows from it
-                "tokens_seen": step * tokens_per_step, "config": dataclasses.asdict(cfg)})
+                "tokens_seen": step * tokens_per_step, "config": dataclasses.asdict(cfg),
+                "setup": {k: setup[k] for k in ("distributed_type", "world_size", "mixed_precision")}})
     bar.close()
     if cfg.log_sample_ids:
         summary["sample_ids_per_rank"] = gather_object([sample_ids]) if accelerator.num_processes > 1 else [sample_ids]

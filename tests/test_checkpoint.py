@@ -104,3 +104,20 @@ def test_resume_from_a_folder_that_is_not_a_checkpoint_is_refused(tmp_path):
 
     with pytest.raises(ConfigError, match="not a complete checkpoint"):
         parse_config(["--resume_from_checkpoint", str(tmp_path)])
+
+
+def test_a_checkpoint_from_another_model_or_strategy_is_refused(tmp_path, hf_home, train_run):
+    """One line, before any model is built, and the checkpoint is left as it was."""
+    step_30 = train_run.output_dir / "checkpoints" / "step_30"
+    before = sorted((p.name, p.stat().st_size) for p in step_30.iterdir())
+    other_model = launch("train.py", resume_args(TRAIN_ARGS + ["--preset", "tiny"], train_run, 30, tmp_path / "a"),
+                         hf_home, check=False)
+    other_strategy = launch_two_processes("train.py", "ddp.yaml", resume_args(TRAIN_ARGS, train_run, 30, tmp_path / "b"),
+                                          hf_home, check=False)
+    for proc, message in ((other_model, "was saved from preset 'debug'; this run builds preset 'tiny'"),
+                          (other_strategy, "was saved with distributed_type NO; this run has MULTI_CPU")):
+        assert proc.returncode != 0
+        ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert ours and all(message in line and "checkpoint.json" in line for line in ours), proc.stderr[-2000:]
+        assert proc.stdout.strip() == ""  # nothing ran: not even the setup block
+    assert sorted((p.name, p.stat().st_size) for p in step_30.iterdir()) == before
