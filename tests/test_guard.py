@@ -20,7 +20,8 @@ def test_fsdp_config_that_accelerate_turns_into_ddp_is_refused(tmp_path, hf_home
                   launch_args=TWO_PROCESS_LAUNCH, env={"ACCELERATE_USE_CPU": "true"}, check=False)
     assert proc.returncode != 0
     lines = our_error_lines(proc)
-    assert len(lines) == 2  # one per rank
+    # one line per rank that got to print it: when the first rank exits, the launcher stops the other
+    assert 1 <= len(lines) <= 2
     assert all("the config asks for FSDP but accelerate runs MULTI_CPU" in line for line in lines)
     assert not (tmp_path / "run_summary.json").exists()
 
@@ -31,7 +32,7 @@ def test_multi_gpu_config_without_gpus_is_refused(tmp_path, hf_home):
                   launch_args=TWO_PROCESS_LAUNCH, env={"ACCELERATE_USE_CPU": "false"}, check=False)
     assert proc.returncode != 0
     lines = our_error_lines(proc)
-    assert len(lines) == 2
+    assert 1 <= len(lines) <= 2  # as above: the launcher may stop the second rank before it prints
     assert all("the launch started 2 processes but each runs alone (distributed type NO" in line for line in lines)
 
 
