@@ -16,7 +16,6 @@ duplicated or padded; only the final partial block (< T+1 tokens) is dropped.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import random
@@ -358,7 +357,3 @@ def bigram_entropy(stream: np.ndarray) -> float:
         return float(-(p * np.log(p)).sum())
 
     return entropy(pair_counts) - entropy(prev_counts)
-
-
-def digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()

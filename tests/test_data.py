@@ -1,5 +1,6 @@
 """Data, in-process: the generator's bytes, packing, the loader's order, the sources."""
 
+import hashlib
 import json
 
 import numpy as np
@@ -25,7 +26,7 @@ def hf_cache(tmp_path, monkeypatch):
 def test_generator_bytes_are_pinned():
     text = "".join(data.synthetic_documents(8000))
     assert text.startswith("imslhtx dfuivc clpx rsxqjn. fjtvxer mko sovoz")
-    assert data.digest(text[:4096]) == FIRST_4096_BYTES_SHA256
+    assert hashlib.sha256(text[:4096].encode()).hexdigest() == FIRST_4096_BYTES_SHA256
     assert data.synthetic_documents(3) == data.synthetic_documents(3)
 
 
