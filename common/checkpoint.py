@@ -2,10 +2,20 @@
 
 Resumable checkpoints: `<output_dir>/checkpoints/step_<N>/` holds accelerate's `save_state` (model,
 optimizer, scheduler, GradScaler, every rank's RNG; sharded per rank under FSDP2 and DeepSpeed)
-plus `checkpoint.json`: the step, the data position and the resolved config. A checkpoint is
-written under a temporary name and renamed only when every rank has finished and checkpoint.json
-is in place, so a folder named step_<N> is always complete. Rotation keeps the newest
---save_total_limit by step number (never sorted as text: step_9 < step_10).
+plus `checkpoint.json`: the step, the data position, the resolved config and the list of every
+file with its size. Rotation keeps the newest --save_total_limit by step number (never sorted as
+text: step_9 < step_10).
+
+Crash safety: a checkpoint is written under `.step_<N>.partial`, its files are fsynced, and it is
+renamed to `step_<N>` only when every rank has finished and checkpoint.json is complete. A folder
+named step_<N> with a checkpoint.json is therefore always whole, whatever moment a crash hits;
+an old checkpoint is first renamed aside (`.step_<N>.deleting`) and only then removed, so a crash
+during rotation never leaves a half-deleted folder that looks complete. Leftovers of a crash are
+cleared by the next save. Requires the output folder on a filesystem every rank sees.
+
+Before a resume, `verify` checks each listed file exists with its recorded size (a truncated or
+missing file is named before any model is built), and `load` turns any remaining load failure into
+one line naming the checkpoint.
 
 Export: a Hugging Face folder (safetensors + config + tokenizer) that any
 `AutoModelForCausalLM.from_pretrained` can load.
@@ -16,14 +26,43 @@ from __future__ import annotations
 from pathlib import Path
 
 import json
+import os
 import re
 import shutil
+import sys
 
 import torch
 from accelerate.utils import DistributedType
 
 CHECKPOINT_DIR = "checkpoints"
 METADATA = "checkpoint.json"
+
+# Test-only fault injection: ACCELERATE_RECIPES_FAULT="<phase>@<step>" stops the main process dead
+# (os._exit: no cleanup, no flush, like a kill -9 or a node loss) at that phase of that step's save.
+FAULT_ENV = "ACCELERATE_RECIPES_FAULT"
+FAULT_EXIT_CODE = 86
+FAULT_PHASES = (
+    "after_shard",      # this rank's part of save_state is written; the other ranks may still be writing
+    "during_metadata",  # checkpoint.json half written
+    "before_rename",    # everything written and synced, not yet renamed to step_<N>
+    "during_rotation",  # an old checkpoint moved aside and partly deleted
+)
+
+
+def _fault_point(phase: str, step: int, damage=None) -> None:
+    """If the test switch names this phase (and step): do `damage` (a partial operation), then stop dead."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    want_phase, _, want_step = spec.partition("@")
+    if want_phase not in FAULT_PHASES:
+        raise RuntimeError(f"{FAULT_ENV}={spec!r}: unknown phase; choose one of {', '.join(FAULT_PHASES)}")
+    if want_phase == phase and (not want_step or int(want_step) == step):
+        if damage is not None:
+            damage()
+        sys.stderr.write(f"fault injected: process {os.getpid()} stops dead at {phase} of step {step}\n")
+        sys.stderr.flush()
+        os._exit(FAULT_EXIT_CODE)
 
 
 def list_complete(output_dir: str | Path) -> list[Path]:
@@ -47,10 +86,7 @@ def resolve_resume(cfg) -> Path | None:
     return Path(cfg.resume_from_checkpoint)
 
 
-def check_compatible(path: str | Path, cfg, accelerator) -> None:
-    """Refuse, before any heavy work, a checkpoint this run cannot continue exactly: another model,
-    another strategy, or another world size (sharded states and the per-rank data position depend
-    on it; resharding on resume is not supported yet)."""
+def read_metadata(path: str | Path) -> dict:
     from common.config import ConfigError
 
     meta_file = Path(path) / METADATA
@@ -58,17 +94,108 @@ def check_compatible(path: str | Path, cfg, accelerator) -> None:
         meta = json.loads(meta_file.read_text())
     except (OSError, ValueError) as err:
         raise ConfigError(f"unreadable checkpoint metadata {meta_file}: {err}") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict):
+        raise ConfigError(f"{meta_file} has no file list: not a checkpoint this code wrote")
+    return meta
+
+
+def verify(path: str | Path) -> dict:
+    """Every file the save wrote is there with its size; return checkpoint.json. Cheap (no
+    reading of the data), so it runs on every resume before any heavy work."""
+    from common.config import ConfigError
+
+    path = Path(path)
+    meta = read_metadata(path)
+    for name, size in meta["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise ConfigError(f"checkpoint {path} is damaged: {file} is missing; resume from an older checkpoint")
+        if file.stat().st_size != size:
+            raise ConfigError(f"checkpoint {path} is damaged: {file} has {file.stat().st_size} bytes, the save "
+                              f"wrote {size} (truncated or overwritten); resume from an older checkpoint")
+    return meta
+
+
+STRATEGY_NAMES = {"NO": "single process", "MULTI_CPU": "DDP", "MULTI_GPU": "DDP", "FSDP": "FSDP",
+                  "DEEPSPEED": "DeepSpeed"}
+# Strategies whose checkpoints hold full (unsharded) model and optimizer states: any of them
+# resumes any other, at any world size.
+REPLICATED = ("NO", "MULTI_CPU", "MULTI_GPU")
+
+
+def check_compatible(path: str | Path, cfg, accelerator) -> dict:
+    """Refuse, before any heavy work, a checkpoint this run cannot continue: another model, another
+    strategy, another global batch, or a world-size change the strategy cannot reshard. Returns
+    checkpoint.json (verified)."""
+    from common.config import ConfigError
+
+    meta = verify(path)
+    meta_file = Path(path) / METADATA
     saved_cfg, saved_setup = meta.get("config", {}), meta.get("setup", {})
     saved_model = saved_cfg.get("model_name_or_path") or f"preset {saved_cfg.get('preset')!r}"
     this_model = cfg.model_name_or_path or f"preset {cfg.preset!r}"
     if saved_cfg.get("model_name_or_path") is None and cfg.model_name_or_path is None and saved_model != this_model:
         raise ConfigError(f"{meta_file} was saved from {saved_model}; this run builds {this_model}")
-    this_setup = {"distributed_type": accelerator.distributed_type.value, "world_size": accelerator.num_processes}
-    for key, value in this_setup.items():
-        if saved_setup.get(key) != value:
-            raise ConfigError(
-                f"{meta_file} was saved with {key} {saved_setup.get(key)}; this run has {value}: resume with the "
-                "launch config and process count it was saved with")
+    saved_type, this_type = saved_setup.get("distributed_type"), accelerator.distributed_type.value
+    saved_world, this_world = saved_setup.get("world_size"), accelerator.num_processes
+    same_family = saved_type == this_type or (saved_type in REPLICATED and this_type in REPLICATED)
+    if not same_family:
+        raise ConfigError(f"{meta_file} was saved with distributed_type {saved_type}; this run has {this_type}: "
+                          "resume with the launch config it was saved with")
+    if saved_world != this_world and this_type == "DEEPSPEED":
+        raise ConfigError(
+            f"{meta_file} was saved by {saved_world} DeepSpeed ranks; this run has {this_world}. ZeRO partitions "
+            f"do not reshard here: resume with {saved_world} processes, or export its weights with "
+            f"{saved_world} processes (--resume_from_checkpoint {path} --max_steps {meta.get('step')}) and start "
+            "a new run from <output_dir>/model with --model_name_or_path (the optimizer state starts afresh)")
+    saved_batch = saved_cfg.get("micro_batch_size", 0) * saved_cfg.get("gradient_accumulation_steps", 0) * saved_world
+    this_batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps * this_world
+    if saved_batch != this_batch:
+        raise ConfigError(
+            f"{meta_file} was trained with a global batch of {saved_batch} sequences; this run has {this_batch} "
+            f"({cfg.micro_batch_size} micro x {cfg.gradient_accumulation_steps} accum x {this_world} ranks): "
+            "choose --micro_batch_size and --gradient_accumulation_steps that keep it")
+    return meta
+
+
+def data_position(meta: dict, cfg, world_size: int, batches_per_epoch: int) -> tuple[int, int]:
+    """(epoch, micro-batches into it) for this run's geometry, from the saved position.
+
+    Within an epoch the global sample order does not depend on how it is cut into micro-batches
+    and ranks (rank r takes the loader's batches r, r + world, ...), so the position moves across
+    a world-size change as a count of samples into the epoch."""
+    from common.config import ConfigError
+
+    saved_cfg, saved_world = meta["config"], meta["setup"]["world_size"]
+    epoch, skip = divmod(meta["micro_batches_done"], meta["batches_per_epoch"])
+    samples_into_epoch = skip * saved_world * saved_cfg["micro_batch_size"]
+    per_micro_step = world_size * cfg.micro_batch_size
+    if samples_into_epoch % per_micro_step:
+        raise ConfigError(f"the checkpoint stopped {samples_into_epoch} samples into an epoch, which is not a "
+                          f"whole number of this run's micro-steps of {per_micro_step} samples")
+    new_skip = samples_into_epoch // per_micro_step
+    if new_skip >= batches_per_epoch:  # the new geometry's epoch is shorter (drop_last): start the next one
+        return epoch + 1, 0
+    return epoch, new_skip
+
+
+def _fsync_tree(folder: Path) -> dict:
+    """fsync every file under folder (so the rename below cannot reach the disk before the data
+    does) and return {relative path: size}."""
+    files = {}
+    for file in sorted(p for p in folder.rglob("*") if p.is_file()):
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
+        files[file.relative_to(folder).as_posix()] = file.stat().st_size
+    return files
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save(accelerator, output_dir: str | Path, step: int, metadata: dict, keep: int = 0) -> Path:
@@ -76,26 +203,54 @@ def save(accelerator, output_dir: str | Path, step: int, metadata: dict, keep: i
     root = Path(output_dir) / CHECKPOINT_DIR
     final, partial = root / f"step_{step}", root / f".step_{step}.partial"
     if accelerator.is_main_process:
-        shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save
         root.mkdir(parents=True, exist_ok=True)
+        for leftover in list(root.glob(".step_*.partial")) + list(root.glob(".step_*.deleting")):
+            shutil.rmtree(leftover, ignore_errors=True)  # left by a crash during an earlier save
     accelerator.wait_for_everyone()
     accelerator.save_state(str(partial))  # every rank writes its part (shards, RNG)
+    if accelerator.is_main_process:
+        _fault_point("after_shard", step)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (partial / METADATA).write_text(json.dumps({"step": step, **metadata}, indent=1))
-        if final.exists():  # the same step saved before (e.g. a rerun): replace it only now
-            shutil.rmtree(final)
-        partial.rename(final)
+        files = _fsync_tree(partial)
+        text = json.dumps({"step": step, **metadata, "files": files}, indent=1)
+        with open(partial / METADATA, "w") as f:
+            f.write(text[: len(text) // 2])
+            f.flush()
+            _fault_point("during_metadata", step)
+            f.write(text[len(text) // 2:])
+            f.flush()
+            os.fsync(f.fileno())
+        _fault_point("before_rename", step)
+        replaced = root / f".step_{step}.deleting"
+        if final.exists():  # the same step saved before (e.g. a rerun): set it aside only now
+            final.rename(replaced)
+        partial.rename(final)  # the commit point
+        _fsync_dir(root)
+        shutil.rmtree(replaced, ignore_errors=True)
         if keep:
             for old in list_complete(output_dir)[:-keep]:
-                shutil.rmtree(old)
+                trash = root / f".{old.name}.deleting"
+                old.rename(trash)  # atomic: the checkpoint is either whole or gone from the list
+                _fault_point("during_rotation", step, damage=(trash / METADATA).unlink)  # half deleted
+                shutil.rmtree(trash)
     accelerator.wait_for_everyone()
     return final
 
 
 def load(accelerator, path: str | Path, optimizer, scheduler) -> dict:
-    """Restore everything save_state wrote (call on every rank); return checkpoint.json."""
-    accelerator.load_state(str(path))
+    """Restore everything save_state wrote (call on every rank); return checkpoint.json.
+
+    A failure here (a file damaged in place, with its size intact) leaves the model half loaded:
+    it becomes one error line naming the checkpoint and the run stops; it never trains on."""
+    from common.config import ConfigError
+
+    try:
+        accelerator.load_state(str(path))
+    except Exception as err:  # noqa: BLE001 - any reader's error: safetensors, torch.load, DCP, DeepSpeed
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ConfigError(f"checkpoint {path} could not be loaded ({type(err).__name__}: {first_line}); "
+                          "resume from an older checkpoint") from None
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         # DeepSpeed's load_checkpoint gives its optimizer new param_group dicts; the torch LR
         # scheduler would keep setting the lr of the old ones and the real lr would freeze at its

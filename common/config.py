@@ -121,6 +121,16 @@ class TrainConfig:
         default=None,
         metadata={"help": "'auto' (newest complete checkpoint in output_dir, else start fresh) or a checkpoint folder."},
     )
+    save_on_preemption: bool = field(
+        default=True,
+        metadata={"help": "On SIGTERM/SIGUSR1: finish the step, save a checkpoint, write requeue.json, exit 75."},
+    )
+    collective_timeout: int = field(
+        default=600,
+        metadata={"help": "Seconds a rank waits in a collective (all-reduce, barrier) for the others before it "
+                          "stops with an error: bounds the hang when a rank dies or freezes. Raise it if a "
+                          "checkpoint or export of a large model takes longer."},
+    )
     log_sample_ids: bool = field(
         default=False, metadata={"help": "Record every batch's sample ids per rank in run_summary.json (resume tests)."}
     )
@@ -153,6 +163,8 @@ class TrainConfig:
                 raise ConfigError(f"not a complete checkpoint (no checkpoint.json): {self.resume_from_checkpoint}")
         if self.fp16_init_scale <= 0 or self.max_nonfinite_steps <= 0:
             raise ConfigError("--fp16_init_scale and --max_nonfinite_steps must be positive")
+        if self.collective_timeout <= 0:
+            raise ConfigError(f"--collective_timeout must be positive, got {self.collective_timeout}")
         if self.lr <= 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
 
@@ -170,8 +182,26 @@ def _has_text(path: str, chunk: int = 1 << 16) -> bool:
     return False
 
 
+COLLECTIVE_FAILURE_EXIT_CODE = 4
+
+
+def _is_collective_failure(err: BaseException) -> bool:
+    """A collective that failed because a peer died (connection closed) or hung (timeout)."""
+    import torch.distributed as dist
+
+    if isinstance(err, dist.DistError):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and dist.is_initialized() and any(
+        needle in text for needle in ("gloo", "nccl", "processgroup", "connection closed by peer",
+                                      "connection reset by peer"))
+
+
 def run_cli(main, argv: list[str] | None = None) -> int:
-    """Run a recipe's main(); bad input becomes one line on stderr and exit code 2."""
+    """Run a recipe's main(): bad input becomes one line on stderr and exit code 2, a training
+    failure exit code 3, a failed collective (a lost rank) exit code 4, preemption exit code 75."""
+    from common.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE, Preempted
+
     try:
         main(argv)
         # Free reference cycles now, while the interpreter is fully alive: gloo work objects kept
@@ -184,6 +214,22 @@ def run_cli(main, argv: list[str] | None = None) -> int:
     except TrainingError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 3
+    except Preempted as err:
+        print(f"stopped: {err}", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT_CODE
+    except Exception as err:
+        if not _is_collective_failure(err):
+            raise
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else "?"
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+        # (starts a line of its own: the failure can strike with the progress bar mid-line)
+        print(f"\nerror: rank {rank}: a collective failed ({type(err).__name__}: {first_line}): another rank died "
+              "or stopped responding (see the first error above, or --collective_timeout); stopping",
+              file=sys.stderr, flush=True)
+        # Skip the interpreter's teardown: destroying a process group whose peer is gone can hang.
+        os._exit(COLLECTIVE_FAILURE_EXIT_CODE)
     return 0
 
 

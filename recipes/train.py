@@ -19,32 +19,36 @@ over all micro-batches and ranks; clipping on the full gradient (pre-clip norm l
 losses skipped, counted, and fatal after --max_nonfinite_steps in a row; four LR schedules;
 held-out eval; gradient checkpointing; pretrained start; resumable, atomic, rotated checkpoints
 with exact resume; fused AdamW; tqdm bar with loss, lr and tokens/s.
-Not yet: trackers, MFU in the run, preemption handling (see the README's status table).
+Preemption (SIGTERM/SIGUSR1 on any rank): every rank finishes the step, a checkpoint and
+<output_dir>/requeue.json are written, exit code 75 (common/preemption.py). A rank that dies or
+hangs makes the others stop within --collective_timeout seconds with a message, not hang.
+Not yet: trackers, MFU in the run (see the README's status table).
 """
 
 import dataclasses
 import math
 import sys
 import time
+from datetime import timedelta
 
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, GradientAccumulationPlugin, GradScalerKwargs, gather_object, set_seed
+from accelerate.utils import (DistributedType, GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs,
+                               gather_object, set_seed)
 from tqdm.auto import tqdm
 
-from common import checkpoint, config, data, metrics, strategy
+from common import checkpoint, config, data, metrics, preemption, strategy
 from common import model as modeling
 from common.schedule import build_scheduler
 
 
-def batches_forever(accelerator, loader, start: int = 0):
-    """Micro-batches across epochs, starting after `start` micro-batches (a resumed run).
+def batches_forever(accelerator, loader, epoch: int = 0, skip: int = 0):
+    """Micro-batches across epochs, starting `skip` micro-batches into `epoch` (a resumed run).
 
     Each epoch's order is a function of (seed, epoch) alone (data.EpochShuffleSampler), so the
     position is (epoch, batches into it) and skipping is exact even after load_state has
     restored the global RNG."""
-    epoch, skip = divmod(start, len(loader))
     while True:
         loader.set_epoch(epoch)
         yield from (accelerator.skip_first_batches(loader, skip) if skip else loader)
@@ -55,6 +59,8 @@ def main(argv=None):
     # ---- config: every check that needs no model runs here, before anything heavy ----
     cfg = config.parse_config(argv)
     modeling.check_seq_len(cfg)
+    # From here on a SIGTERM/SIGUSR1 means "save and stop after this step", not "die now".
+    watch = preemption.PreemptionWatch().install() if cfg.save_on_preemption else preemption.PreemptionWatch()
 
     # Sync on a count of micro-batches, not at the end of the dataloader: an epoch boundary in
     # the middle of an accumulation window must not trigger an early optimizer step.
@@ -65,13 +71,18 @@ def main(argv=None):
         gradient_accumulation_plugin=plugin,
         step_scheduler_with_optimizer=False,
         fsdp_plugin=strategy.fsdp_plugin(),  # None unless the config asks for FSDP
-        kwargs_handlers=[GradScalerKwargs(init_scale=cfg.fp16_init_scale)],  # used by fp16 only
+        kwargs_handlers=[
+            GradScalerKwargs(init_scale=cfg.fp16_init_scale),  # used by fp16 only
+            # A collective that waits longer than this raises on this rank: a dead or hung rank
+            # ends the job with a message instead of hanging it (torch's default is 10-30 min).
+            InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.collective_timeout)),
+        ],
     )
     strategy.check_launch(accelerator, "train.py", supports=("single", "ddp", "fsdp", "deepspeed"))
     strategy.configure_deepspeed(accelerator, cfg)  # DeepSpeed clips in its step: pass --max_grad_norm on
     resume_path = checkpoint.resolve_resume(cfg)
-    if resume_path is not None:
-        checkpoint.check_compatible(resume_path, cfg, accelerator)  # before any heavy work
+    if resume_path is not None:  # before any heavy work: files, model, strategy, world size, batch
+        resume_meta = checkpoint.check_compatible(resume_path, cfg, accelerator)
     set_seed(cfg.seed)  # the same seed on every rank: identical initial weights everywhere
 
     tokenizer = data.build_tokenizer(cfg)
@@ -129,22 +140,38 @@ def main(argv=None):
 
     # ---- training loop ----
     # ---- resume: model, optimizer, schedule, scaler, RNG of every rank, data position ----
-    start_step, micro_batches_done = 0, 0
+    start_step, epoch, skip = 0, 0, 0
     if resume_path is not None:
-        state = checkpoint.load(accelerator, resume_path, optimizer, scheduler)
-        start_step, micro_batches_done = state["step"], state["micro_batches_done"]
-        summary["resumed_from"] = {"path": str(resume_path), "step": start_step}
+        checkpoint.load(accelerator, resume_path, optimizer, scheduler)
+        start_step = resume_meta["step"]
+        # (epoch, batches into it) in this run's geometry: FSDP2 and replicated checkpoints may
+        # resume on another number of ranks with the same global batch
+        epoch, skip = checkpoint.data_position(resume_meta, cfg, accelerator.num_processes, len(train_loader))
+        summary["resumed_from"] = {"path": str(resume_path), "step": start_step,
+                                   "world_size": resume_meta["setup"]["world_size"]}
         if accelerator.is_main_process:
             print(f"resumed from {resume_path} at step {start_step}", flush=True)
     elif cfg.eval_every > 0:
         run_eval(0)
+    if accelerator.is_main_process:
+        preemption.clear_marker(cfg.output_dir)  # this run is under way: no requeue for an old preemption
+    micro_batches_done = epoch * len(train_loader) + skip
     model.train()
-    batches = batches_forever(accelerator, train_loader, micro_batches_done)
+    batches = batches_forever(accelerator, train_loader, epoch, skip)
     pending = []  # per-step losses kept on device; fetched at log points (one sync per interval)
     interval_start, interval_steps = time.perf_counter(), 0
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not accelerator.is_main_process, desc="train")
     sample_ids = []  # per step, this rank's sample ids (--log_sample_ids)
     nonfinite_in_row, skipped_nonfinite, skipped_overflow = 0, 0, 0
+    preempted = None
+
+    def save_checkpoint(step):
+        return checkpoint.save(accelerator, cfg.output_dir, step, keep=cfg.save_total_limit, metadata={
+            "micro_batches_done": micro_batches_done,  # per rank; with batches_per_epoch, the data position
+            "batches_per_epoch": len(train_loader),
+            "tokens_seen": step * tokens_per_step, "config": dataclasses.asdict(cfg),
+            "setup": {k: setup[k] for k in ("distributed_type", "world_size", "mixed_precision")}})
+
     for step in range(start_step + 1, cfg.max_steps + 1):
         # The whole optimizer step's micro-batches first: their target-token count over all
         # micro-batches and ranks normalises the loss, so every target token weighs the same
@@ -165,11 +192,15 @@ def main(argv=None):
                 micro_sum = modeling.causal_lm_loss(model, batch["input_ids"], batch["labels"], reduction="sum")
                 accelerator.backward(micro_sum * scale)
             loss_sum += micro_sum.detach()
-        step_loss = accelerator.reduce(loss_sum, "sum") / step_tokens  # token mean of the step, all ranks
+        # One all-reduce carries the loss and each rank's preemption vote: every rank then stops
+        # after the same step, whichever of them got the signal, and when.
+        loss_and_votes = accelerator.reduce(torch.stack([loss_sum, watch.vote(loss_sum.device)]), "sum")
+        step_loss = loss_and_votes[0] / step_tokens  # token mean of the step, all ranks
 
         # A NaN/inf loss must not reach the weights. Deciding needs the value on the host: one
-        # CPU-GPU sync per step, small next to a step of a model worth training on GPUs.
-        if torch.isfinite(step_loss).item():
+        # CPU-GPU sync per step (for both numbers), small next to a step of a model worth GPUs.
+        finite, stop_votes = torch.stack([torch.isfinite(step_loss).float(), loss_and_votes[1]]).tolist()
+        if finite:
             nonfinite_in_row = 0
             # The last micro-batch synchronised the gradients: unscale (fp16) and clip once, on the
             # full gradient. The returned norm is the pre-clip one (inf max = measure, don't clip).
@@ -208,7 +239,9 @@ def main(argv=None):
         pending.append((step, lr, step_loss, metrics.as_tensor(grad_norm), loss_scale))
         interval_steps += 1
 
-        if step % cfg.log_every == 0 or step == cfg.max_steps:
+        if stop_votes > 0:
+            preempted = {"step": step, "signal": watch.signal_name or "another rank's signal"}
+        if step % cfg.log_every == 0 or step == cfg.max_steps or preempted:
             # Mean over ranks; .tolist() is the CPU-GPU sync that makes the timing honest.
             # Losses are already means over all ranks' tokens; .tolist() is the sync that makes the timing honest.
             step_losses = torch.stack([row[2] for row in pending]).tolist()
@@ -224,13 +257,15 @@ def main(argv=None):
             bar.set_postfix(loss=f"{step_losses[-1]:.4f}", lr=f"{pending[-1][1]:.2e}", tok_s=f"{tokens_per_s:,.0f}")
             bar.update(interval_steps)
             pending, interval_start, interval_steps = [], time.perf_counter(), 0
-        if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+        if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.max_steps) and not preempted:
             run_eval(step)
-        if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps):
-            checkpoint.save(accelerator, cfg.output_dir, step, keep=cfg.save_total_limit, metadata={
-                "micro_batches_done": micro_batches_done,  # per rank; the epoch follows from it
-                "tokens_seen": step * tokens_per_step, "config": dataclasses.asdict(cfg),
-                "setup": {k: setup[k] for k in ("distributed_type", "world_size", "mixed_precision")}})
+        if preempted or (cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps)):
+            saved = save_checkpoint(step)
+        if preempted:  # the grace period is short: no eval, no export, just the checkpoint
+            if accelerator.is_main_process:
+                preempted["marker"] = str(preemption.write_marker(cfg.output_dir, step, saved, preempted["signal"]))
+            preempted["checkpoint"] = str(saved)
+            break
     bar.close()
     if cfg.log_sample_ids:
         summary["sample_ids_per_rank"] = gather_object([sample_ids]) if accelerator.num_processes > 1 else [sample_ids]
@@ -238,6 +273,16 @@ def main(argv=None):
 
     # ---- export and record ----
     summary["tokens_seen"] = cfg.max_steps * tokens_per_step  # of the whole run, resumed or not
+    if preempted:  # the losses so far and where to go on from; no export of an unfinished model
+        summary["preempted"] = preempted
+        summary["tokens_seen"] = preempted["step"] * tokens_per_step
+        if accelerator.is_main_process:
+            metrics.write_summary(f"{cfg.output_dir}/run_summary.json", summary)
+        accelerator.wait_for_everyone()
+        accelerator.end_training()
+        raise preemption.Preempted(f"preempted ({preempted['signal']}) at step {preempted['step']}: saved "
+                                   f"{preempted['checkpoint']} and {cfg.output_dir}/{preemption.REQUEUE_MARKER}; "
+                                   "rerun with --resume_from_checkpoint auto")
     if cfg.save_model:
         out = checkpoint.export_pretrained(accelerator, model, tokenizer, f"{cfg.output_dir}/model")
         probe = eval_set[0]["input_ids"][:8]

@@ -57,13 +57,20 @@ TWO_CPU_PROCESSES = {
 TWO_PROCESS_LAUNCH = ["--num_processes", "2", "--num_cpu_threads_per_process", "1", "--mixed_precision", "no"]
 
 
-def launch(recipe: str, args: list[str], hf_home: Path, config: str = "cpu.yaml", check: bool = True,
-           timeout: int = 900, launch_args: list[str] | None = None, env: dict | None = None,
-           recipe_path: Path | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+def launch_command(recipe: str, args: list[str], hf_home: Path, config: str = "cpu.yaml",
+                   launch_args: list[str] | None = None, env: dict | None = None,
+                   recipe_path: Path | None = None) -> tuple[list[str], dict]:
+    """The `accelerate launch` command line and environment of a recipe run."""
     launch_args = launch_args if launch_args is not None else ["--num_cpu_threads_per_process", "2"]
     cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "accelerate_configs" / config), *launch_args,
            str(recipe_path or ROOT / "recipes" / recipe), *args]
-    full_env = {**launch_env(hf_home), **(env or {})}
+    return cmd, {**launch_env(hf_home), **(env or {})}
+
+
+def launch(recipe: str, args: list[str], hf_home: Path, config: str = "cpu.yaml", check: bool = True,
+           timeout: int = 900, launch_args: list[str] | None = None, env: dict | None = None,
+           recipe_path: Path | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    cmd, full_env = launch_command(recipe, args, hf_home, config, launch_args, env, recipe_path)
     proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         # The launcher's own traceback comes last; the workers' errors are earlier in stderr.
@@ -133,6 +140,24 @@ def check_export_reproduces_model(run: Run):
         logits = model(torch.tensor([export["probe_input_ids"]])).logits[0]
     diff = (logits - torch.tensor(export["probe_logits"])).abs().max().item()
     assert diff < 1e-5, diff
+
+
+def check_resumed_losses(full: Run, resumed: Run, half: int, tolerance: float = 0.0):
+    """The resumed run trained steps half+1.. with the losses of the run that never stopped."""
+    assert resumed.summary["resumed_from"]["step"] == half
+    full_losses = {row["step"]: row["loss"] for row in full.summary["losses"]}
+    resumed_losses = {row["step"]: row["loss"] for row in resumed.summary["losses"]}
+    assert sorted(resumed_losses) == [s for s in sorted(full_losses) if s > half]
+    for step, loss in resumed_losses.items():
+        assert abs(loss - full_losses[step]) <= tolerance, (step, loss, full_losses[step])
+
+
+def check_exact_resume(full: Run, resumed: Run, half: int, tolerance: float = 0.0):
+    check_resumed_losses(full, resumed, half, tolerance)
+    # the very same samples, batch by batch, on every rank
+    for full_ids, resumed_ids in zip(full.summary["sample_ids_per_rank"], resumed.summary["sample_ids_per_rank"]):
+        assert resumed_ids == full_ids[half:]
+    assert len(resumed.summary["sample_ids_per_rank"]) == len(full.summary["sample_ids_per_rank"])
 
 
 # ---- 2-process runs of each (recipe, config) pair, shared by the distributed and checkpoint tests ----

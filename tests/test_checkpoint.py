@@ -7,21 +7,8 @@ import json
 
 import pytest
 
-from conftest import (DEBUG_ARGS, FP16_ARGS, HARNESS, TRAIN_ARGS, TWO_RANK_ARGS, Run, check_export_reproduces_model,
-                      launch, launch_two_processes)
-
-
-def check_exact_resume(full: Run, resumed: Run, half: int, tolerance: float = 0.0):
-    assert resumed.summary["resumed_from"]["step"] == half
-    full_losses = {row["step"]: row["loss"] for row in full.summary["losses"]}
-    resumed_losses = {row["step"]: row["loss"] for row in resumed.summary["losses"]}
-    assert sorted(resumed_losses) == [s for s in sorted(full_losses) if s > half]
-    for step, loss in resumed_losses.items():
-        assert abs(loss - full_losses[step]) <= tolerance, (step, loss, full_losses[step])
-    # the very same samples, batch by batch, on every rank
-    for full_ids, resumed_ids in zip(full.summary["sample_ids_per_rank"], resumed.summary["sample_ids_per_rank"]):
-        assert resumed_ids == full_ids[half:]
-    assert len(resumed.summary["sample_ids_per_rank"]) == len(full.summary["sample_ids_per_rank"])
+from conftest import (DEBUG_ARGS, FP16_ARGS, HARNESS, TRAIN_ARGS, TWO_RANK_ARGS, Run, check_exact_resume,
+                      check_export_reproduces_model, launch, launch_two_processes)
 
 
 def resume_args(args, full: Run, half: int, out):
@@ -112,10 +99,11 @@ def test_a_checkpoint_from_another_model_or_strategy_is_refused(tmp_path, hf_hom
     before = sorted((p.name, p.stat().st_size) for p in step_30.iterdir())
     other_model = launch("train.py", resume_args(TRAIN_ARGS + ["--preset", "tiny"], train_run, 30, tmp_path / "a"),
                          hf_home, check=False)
-    other_strategy = launch_two_processes("train.py", "ddp.yaml", resume_args(TRAIN_ARGS, train_run, 30, tmp_path / "b"),
-                                          hf_home, check=False)
+    # a replicated (single-process) checkpoint cannot feed FSDP2's sharded loader
+    other_strategy = launch_two_processes("train.py", "fsdp.yaml",
+                                          resume_args(TWO_RANK_ARGS, train_run, 30, tmp_path / "b"), hf_home, check=False)
     for proc, message in ((other_model, "was saved from preset 'debug'; this run builds preset 'tiny'"),
-                          (other_strategy, "was saved with distributed_type NO; this run has MULTI_CPU")):
+                          (other_strategy, "was saved with distributed_type NO; this run has FSDP")):
         assert proc.returncode != 0
         ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
         assert ours and all(message in line and "checkpoint.json" in line for line in ours), proc.stderr[-2000:]

@@ -85,8 +85,10 @@ def _install_fp16_on_cpu():
 
 if os.environ.get("ACCELERATE_RECIPES_CPU_HARNESS") == "1":
     _check_version()
-    # Only in launched workers (torchrun sets LOCAL_RANK) with several ranks: the backend probe.
-    if "LOCAL_RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    # Only in launched workers (torchrun sets LOCAL_RANK) with several ranks, or with one rank of an
+    # FSDP/DeepSpeed launch (e.g. resuming a 2-rank FSDP checkpoint on 1 rank): the backend probe.
+    sharded = "true" in (os.environ.get("ACCELERATE_USE_FSDP"), os.environ.get("ACCELERATE_USE_DEEPSPEED"))
+    if "LOCAL_RANK" in os.environ and (int(os.environ.get("WORLD_SIZE", "1")) > 1 or sharded):
         os.environ.setdefault("ACCELERATE_TORCH_DEVICE", "cpu")
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         _install()

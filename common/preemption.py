@@ -1,0 +1,82 @@
+"""Preemption: on SIGTERM or SIGUSR1, finish the optimizer step, save a checkpoint, leave a requeue
+marker, exit. Preemptible GPUs, SLURM time limits and requeues, and Kubernetes evictions all end a
+job this way; none may cost more than the work since the last step.
+
+Who sends the signal, and to whom (accelerate 1.15 / torch 2.13, FACTS.md):
+- SLURM (`scancel --signal=TERM`, the time limit, `#SBATCH --signal=USR1@120`) and Kubernetes
+  signal processes directly: SLURM every process of the step, Kubernetes PID 1 of the container.
+- With several processes `accelerate launch` runs torchelastic, which forwards SIGTERM (and
+  SIGINT, SIGHUP, SIGQUIT) to every worker and SIGKILLs them 30 s later. For SIGUSR1 and for a
+  longer grace period, start the launcher with
+      PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300
+  (without it SIGUSR1 kills the launcher at once and orphans the workers).
+- With one process `accelerate launch` is a plain parent that forwards nothing: signal the worker,
+  or the whole process group (`kill -TERM -- -<pgid>`; in Docker, `tini -g` as PID 1 does that).
+
+Every rank must stop after the same step, but each learns of the signal on its own, at a different
+moment. So each rank's "stop" vote rides along with the step's loss all-reduce (no extra
+collective, no extra host sync) and all ranks act on the sum.
+
+The marker (`<output_dir>/requeue.json`) is the contract with the scheduler: the worker's exit code
+does not survive `accelerate launch` (it returns 1 for any failure). A job script requeues when
+the marker exists; the resumed run deletes it once it has loaded the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+REQUEUE_MARKER = "requeue.json"
+EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): "temporary failure, try again"
+
+
+class Preempted(Exception):
+    """Raised after the preemption checkpoint and the marker are written; the recipe exits with EXIT_CODE."""
+
+
+class PreemptionWatch:
+    """Records the first preemption signal; the training loop polls it once per step."""
+
+    def __init__(self):
+        self.signal_name: str | None = None
+
+    def install(self) -> PreemptionWatch:
+        for sig in SIGNALS:
+            signal.signal(sig, self._on_signal)
+        return self
+
+    def _on_signal(self, signum, frame):
+        if self.signal_name is None:
+            self.signal_name = signal.Signals(signum).name
+            # os.write: no buffered print inside a signal handler
+            os.write(2, f"[pid {os.getpid()}] {self.signal_name} received: stopping after this step\n".encode())
+
+    def vote(self, device) -> torch.Tensor:
+        """1.0 if this rank was signalled; summed over ranks with the step's loss."""
+        return torch.tensor(0.0 if self.signal_name is None else 1.0, device=device)
+
+
+def write_marker(output_dir: str | Path, step: int, checkpoint_path: Path, signal_name: str) -> Path:
+    marker = Path(output_dir) / REQUEUE_MARKER
+    tmp = marker.with_suffix(".tmp")
+    tmp.write_text(json.dumps({
+        "step": step,
+        "checkpoint": str(checkpoint_path),
+        "signal": signal_name,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "resume_with": "--resume_from_checkpoint auto",
+    }, indent=1))
+    os.replace(tmp, marker)  # the scheduler never sees half a marker
+    return marker
+
+
+def clear_marker(output_dir: str | Path) -> None:
+    """A run that has started (or resumed) must not be requeued for an old preemption."""
+    (Path(output_dir) / REQUEUE_MARKER).unlink(missing_ok=True)
