@@ -10,8 +10,12 @@ Who sends the signal, and to whom (accelerate 1.15 / torch 2.13, FACTS.md):
   longer grace period, start the launcher with
       PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300
   (without it SIGUSR1 kills the launcher at once and orphans the workers).
-- With one process `accelerate launch` is a plain parent that forwards nothing: signal the worker,
-  or the whole process group (`kill -TERM -- -<pgid>`; in Docker, `tini -g` as PID 1 does that).
+- With one process `accelerate launch` is a plain parent that forwards nothing, and a signal that
+  kills the launcher (SIGTERM to the 1-process launcher, SIGUSR1 to torchelastic without the setting
+  above) would leave the workers running as orphans. So each worker asks Linux for SIGTERM when its
+  parent dies (prctl PR_SET_PDEATHSIG): the orphan then saves and stops like a signalled worker.
+  Inside a container that does not help (when PID 1 exits, everything is killed at once): run
+  `tini -g` as PID 1 so the signal goes to the whole process group.
 
 Every rank must stop after the same step, but each learns of the signal on its own, at a different
 moment. So each rank's "stop" vote rides along with the step's loss all-reduce (no extra
@@ -24,9 +28,11 @@ the marker exists; the resumed run deletes it once it has loaded the checkpoint.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -50,17 +56,31 @@ class PreemptionWatch:
     def install(self) -> PreemptionWatch:
         for sig in SIGNALS:
             signal.signal(sig, self._on_signal)
+        _sigterm_when_the_launcher_dies()
         return self
 
     def _on_signal(self, signum, frame):
         if self.signal_name is None:
             self.signal_name = signal.Signals(signum).name
-            # os.write: no buffered print inside a signal handler
-            os.write(2, f"[pid {os.getpid()}] {self.signal_name} received: stopping after this step\n".encode())
+            # os.write: no buffered print inside a signal handler; a line of its own after the progress bar
+            os.write(2, f"\n[pid {os.getpid()}] {self.signal_name} received: stopping after this step\n".encode())
 
     def vote(self, device) -> torch.Tensor:
         """1.0 if this rank was signalled; summed over ranks with the step's loss."""
         return torch.tensor(0.0 if self.signal_name is None else 1.0, device=device)
+
+
+def _sigterm_when_the_launcher_dies() -> None:
+    """Linux only: have the kernel send SIGTERM to this process when its parent (the launcher) exits."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_PDEATHSIG = 1
+    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+        return  # not fatal: the signal still works when sent to the worker itself
+    if os.getppid() != parent:  # the launcher died before the request: act on it now
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def write_marker(output_dir: str | Path, step: int, checkpoint_path: Path, signal_name: str) -> Path:

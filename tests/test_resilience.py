@@ -188,6 +188,25 @@ def test_sigusr1_to_the_launcher_alone_reaches_the_workers_when_the_launcher_is_
     assert not any(is_running(pid) for pid in workers.values())  # no orphans
 
 
+def test_sigterm_to_a_one_process_launcher_still_saves(tmp_path, hf_home):
+    """The 1-process launcher forwards nothing and dies at once; the worker, told by the kernel that
+    its parent died (PR_SET_PDEATHSIG), saves and stops instead of training on as an orphan."""
+    out, logs = tmp_path / "run", tmp_path / "logs"
+    args = DEBUG_ARGS + ["--max_steps", "100000", "--eval_every", "0", "--save_model", "false", "--output_dir", str(out)]
+    proc = start("train.py", args, hf_home, logs)
+    wait_for(lambda: "tok_s=" in text(logs), proc, "training progress")
+    worker = worker_pids(proc)[0]
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 120
+    while is_running(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not is_running(worker)
+    marker = json.loads((out / preemption.REQUEUE_MARKER).read_text())
+    checkpoint.verify(marker["checkpoint"])
+    assert error_lines(text(logs), f"stopped: preempted (SIGTERM) at step {marker['step']}")
+
+
 # ---- 2. crash safety: faults injected at each phase of a save, and real SIGKILLs ----
 FAULT_ARGS = DEBUG_ARGS + ["--lr_schedule", "constant", "--warmup_steps", "1", "--eval_every", "0",
                            "--save_model", "false", "--save_every", "2", "--save_total_limit", "2"]
