@@ -264,6 +264,29 @@ def test_after_a_crash_mid_save_auto_resume_continues_exactly_and_clears_the_lef
     assert sorted(p.name for p in (crashed / "checkpoints").iterdir()) == ["step_4", "step_6"]
 
 
+def test_rank_0_dying_after_writing_its_fsdp2_shard_keeps_the_older_checkpoints(
+        tmp_path, hf_home, two_process_runs, initial_model):
+    """The sharded case: rank 0 stops dead once its shard of step 62 is written; rank 1, waiting for
+    it at the barrier, stops on the failed collective. step_30 and step_60 stay as they were."""
+    full = two_process_runs("train.py/fsdp.yaml")
+    out = tmp_path / "run"
+    shutil.copytree(full.output_dir / "checkpoints", out / "checkpoints")
+    before = snapshot(out)
+    assert sorted(before) == ["step_30", "step_60"]
+    args = TWO_RANK_ARGS + ["--max_steps", "62", "--save_every", "2", "--model_name_or_path", str(initial_model),
+                            "--save_model", "false", "--output_dir", str(out), "--resume_from_checkpoint", "auto"]
+    proc = launch_two_processes("train.py", "fsdp.yaml", args, hf_home, check=False,
+                                env={checkpoint.FAULT_ENV: "after_shard@62"})
+    assert proc.returncode != 0
+    assert "stops dead at after_shard of step 62" in proc.stderr
+    assert any(line.startswith("error: rank 1: a collective failed") for line in error_lines(proc.stderr)), \
+        proc.stderr[-3000:]
+    complete = check_older_checkpoints_untouched(before, out)
+    assert [p.name for p in complete] == ["step_30", "step_60"]
+    assert (out / "checkpoints" / ".step_62.partial" / "pytorch_model_fsdp_0").is_dir()  # shards were written
+    assert checkpoint.resolve_resume(TrainConfig(output_dir=str(out), resume_from_checkpoint="auto")) == complete[-1]
+
+
 @pytest.mark.parametrize("trial", range(3))
 def test_sigkill_during_a_save(trial, tmp_path, hf_home):
     """A real kill -9 of the worker while a save is in flight (a .partial folder exists)."""
