@@ -111,6 +111,16 @@ class TrainConfig:
     eval_batches: int = field(default=0, metadata={"help": "Max eval batches per evaluation; 0 = the whole held-out split."})
     log_every: int = field(default=10, metadata={"help": "Refresh the progress bar / log every N steps."})
     save_model: bool = field(default=True, metadata={"help": "Write a Hugging Face folder (safetensors) at the end."})
+    report_to: list[str] | None = field(
+        default=None,
+        metadata={"help": "Trackers: any of tensorboard, wandb, trackio (secrets are removed from what they get)."},
+    )
+    project_name: str = field(default="accelerate-recipes", metadata={"help": "Tracker project name."})
+    run_name: str | None = field(default=None, metadata={"help": "Tracker run name; default: the output folder's name."})
+    compile: bool = field(
+        default=False,
+        metadata={"help": "torch.compile each decoder layer (regional: one compiled block reused by all layers)."},
+    )
 
     # --- checkpoints (train.py) ---
     save_every: int = field(
@@ -163,6 +173,10 @@ class TrainConfig:
                 raise ConfigError(f"not a complete checkpoint (no checkpoint.json): {self.resume_from_checkpoint}")
         if self.fp16_init_scale <= 0 or self.max_nonfinite_steps <= 0:
             raise ConfigError("--fp16_init_scale and --max_nonfinite_steps must be positive")
+        if self.report_to:
+            from common.tracking import check_available
+
+            check_available(self.report_to)
         if self.collective_timeout <= 0:
             raise ConfigError(f"--collective_timeout must be positive, got {self.collective_timeout}")
         if self.lr <= 0:
@@ -306,16 +320,21 @@ def describe_setup(cfg: TrainConfig, accelerator, extra: dict | None = None) -> 
     ]
     for key, value in (extra or {}).items():
         lines.append(f"{key:<17}: {value}")
-    lines.append("options          : " + json.dumps(dataclasses.asdict(cfg), sort_keys=True))
+    from common.tracking import redact
+
+    # logs get copied around: print the options with secrets removed, as the trackers get them
+    lines.append("options          : " + json.dumps(redact(dataclasses.asdict(cfg)), sort_keys=True))
     lines.append("=" * 72)
     return "\n".join(lines)
 
 
 def setup_facts(cfg: TrainConfig, accelerator) -> dict:
     """The resolved setup as plain data, for run_summary.json (and later, checkpoints)."""
+    from common.tracking import redact
+
     world = accelerator.num_processes
     return {
-        "options": dataclasses.asdict(cfg),
+        "options": redact(dataclasses.asdict(cfg)),  # checkpoint.json keeps the exact options for resume
         "distributed_type": accelerator.distributed_type.value,
         "world_size": world,
         "mixed_precision": accelerator.mixed_precision,

@@ -1,4 +1,11 @@
-"""What a run measures: held-out loss, per-rank parameter facts, and run_summary.json.
+"""What a run measures: held-out loss, throughput and MFU, memory, per-rank parameter facts, and
+run_summary.json.
+
+Per log interval the recipe records tokens/s (global and per device), step time, MFU, memory per
+rank and an ETA; per step loss, lr, pre-clip gradient norm and the fp16 loss scale. MFU = the model
+FLOP/s a device achieves (flops_per_token x its tokens/s) over its peak: the datasheet's dense
+tensor-core figure for known GPUs, and on a CPU (which has no such table) a square matmul in the
+run's dtype measured once at start with the process's own threads.
 
 run_summary.json is the run's record for tests, benchmarks and the GPU check; they read it instead
 of parsing logs. Only the main process writes it.
@@ -10,6 +17,7 @@ import json
 import math
 import os
 import resource
+import time
 from pathlib import Path
 
 import torch
@@ -115,6 +123,70 @@ def peak_tflops(device_name: str, precision: str) -> float | None:
         if gpu in device_name.upper():
             return PEAK_TFLOPS[gpu][kind]
     return None
+
+
+def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, size: int = 1024, seconds: float = 0.1) -> float:
+    """Best rate of a size x size matmul in `dtype` (TFLOP/s), best of 3 timed bursts of about
+    `seconds` each: the practical ceiling of this device with this process's threads."""
+    rng = torch.Generator(device=device).manual_seed(0)  # never the global RNG: it seeds the model's init
+    a = torch.randn(size, size, device=device, dtype=dtype, generator=rng)
+    b = torch.randn(size, size, device=device, dtype=dtype, generator=rng)
+    flops = 2 * size**3
+
+    def burst(reps: int) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(reps):
+            torch.mm(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    burst(1)  # warm-up: thread pool, kernel choice
+    reps = max(1, int(seconds / max(burst(1), 1e-6)))
+    return max(flops * reps / burst(reps) for _ in range(3)) / 1e12
+
+
+def peak_flops(accelerator) -> dict:
+    """Per-device peak for MFU: {'tflops': float | None, 'source': str}."""
+    precision = accelerator.mixed_precision
+    if accelerator.device.type == "cuda":
+        name = torch.cuda.get_device_name(accelerator.device)
+        return {"tflops": peak_tflops(name, precision), "source": f"datasheet ({name}, {precision})"}
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    threads = torch.get_num_threads()
+    tflops = measure_matmul_tflops(accelerator.device, dtype)
+    return {"tflops": tflops, "source": f"measured {str(dtype)[6:]} 1024x1024 matmul, {threads} threads"}
+
+
+def memory_now(accelerator) -> list[dict]:
+    """Every rank's memory at this moment and its peak so far (a collective: call on all ranks)."""
+    mine = {"rank": accelerator.process_index,
+            "cpu_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
+    if accelerator.device.type == "cuda":
+        mine["cuda_allocated_bytes"] = torch.cuda.memory_allocated(accelerator.device)
+        mine["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(accelerator.device)
+        mine["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved(accelerator.device)
+    return gather_object([mine]) if accelerator.num_processes > 1 else [mine]
+
+
+def interval_stats(*, steps: int, seconds: float, tokens_per_step: int, world_size: int, flops_per_token: float,
+                   peak_tflops_per_device: float | None, steps_left: int, step_times: list[float]) -> dict:
+    """Throughput of one log interval; `step_times` holds the mean step time of every interval so
+    far (this one included) and gives the ETA by its median (robust to an eval or a save)."""
+    tokens_per_s = steps * tokens_per_step / seconds
+    per_device = tokens_per_s / world_size
+    mfu = per_device * flops_per_token / (peak_tflops_per_device * 1e12) if peak_tflops_per_device else None
+    median_step = sorted(step_times)[len(step_times) // 2]
+    return {
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_device": per_device,
+        "step_time_s": seconds / steps,
+        "model_tflops_per_device": per_device * flops_per_token / 1e12,
+        "mfu": mfu,
+        "eta_s": steps_left * median_step,
+    }
 
 
 def peak_memory(accelerator) -> list[dict]:

@@ -85,7 +85,23 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> nn.Module:
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
+    if cfg.compile:
+        compile_blocks(model)
     return model
+
+
+def compile_blocks(model: nn.Module) -> int:
+    """Regional compilation: torch.compile each transformer block in place (the classes the model
+    names in `_no_split_modules`, e.g. LlamaDecoderLayer). All blocks share one compiled graph, so
+    compile time does not grow with depth, and FSDP2's per-block sharding and activation
+    checkpointing wrap the same modules. Returns the number of blocks compiled."""
+    block_classes = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in block_classes]
+    if not blocks:
+        raise ConfigError(f"--compile: found no transformer blocks ({sorted(block_classes)}) in {type(model).__name__}")
+    for block in blocks:
+        block.compile()
+    return len(blocks)
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:

@@ -38,7 +38,7 @@ from accelerate.utils import (DistributedType, GradientAccumulationPlugin, GradS
                                gather_object, set_seed)
 from tqdm.auto import tqdm
 
-from common import checkpoint, config, data, metrics, preemption, strategy
+from common import checkpoint, config, data, metrics, preemption, strategy, tracking
 from common import model as modeling
 from common.schedule import build_scheduler
 
@@ -71,6 +71,8 @@ def main(argv=None):
         gradient_accumulation_plugin=plugin,
         step_scheduler_with_optimizer=False,
         fsdp_plugin=strategy.fsdp_plugin(),  # None unless the config asks for FSDP
+        log_with=cfg.report_to or None,  # trackers see only redacted options (common/tracking.py)
+        project_dir=cfg.output_dir,
         kwargs_handlers=[
             GradScalerKwargs(init_scale=cfg.fp16_init_scale),  # used by fp16 only
             # A collective that waits longer than this raises on this rank: a dead or hung rank
@@ -97,10 +99,13 @@ def main(argv=None):
     )
     # Printed once the data is known to be good, so bad input stays a one-line error.
     setup = config.setup_facts(cfg, accelerator)
+    peak = metrics.peak_flops(accelerator)  # per device, for MFU (measured on CPU: ~0.5 s)
     if accelerator.is_main_process:
         print(config.describe_setup(cfg, accelerator, {
             "model": cfg.model_name_or_path or f"preset {cfg.preset} (random init)",
             "FLOPs/token": f"{flops_per_token:.3e} (6N + 12LHQT)",
+            "peak for MFU": f"{peak['tflops']:.3g} TFLOP/s per device, {peak['source']}" if peak["tflops"]
+                            else f"unknown ({peak['source']}): no MFU",
             "data": f"{len(train_set)} train / {len(eval_set)} held-out "
                     + (f"blocks of {cfg.seq_len + 1} tokens" if cfg.packing else "documents, padded"),
         }), flush=True)
@@ -117,7 +122,8 @@ def main(argv=None):
     summary = {
         "recipe": "train.py",
         "setup": setup,
-        "model": {"parameters": num_params, "flops_per_token": flops_per_token},
+        "model": {"parameters": num_params, "flops_per_token": flops_per_token, "compiled": cfg.compile},
+        "peak_flops_per_device": peak,
         "data": {
             "train_blocks": len(train_set),
             "eval_blocks": len(eval_set),
@@ -132,9 +138,12 @@ def main(argv=None):
     micro_batches_per_step = cfg.gradient_accumulation_steps * accelerator.num_processes
     tokens_per_step = cfg.micro_batch_size * cfg.seq_len * micro_batches_per_step
 
+    tracking.start(accelerator, cfg, setup)
+
     def run_eval(step):
         result = metrics.evaluate(model, eval_loader, accelerator, cfg.eval_batches)
         summary["eval"].append({"step": step, **result})
+        accelerator.log({"eval/loss": result["loss"], "eval/perplexity": result["perplexity"]}, step=step)
         if accelerator.is_main_process:
             tqdm.write(f"step {step}: eval loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f}")
 
@@ -159,7 +168,7 @@ def main(argv=None):
     model.train()
     batches = batches_forever(accelerator, train_loader, epoch, skip)
     pending = []  # per-step losses kept on device; fetched at log points (one sync per interval)
-    interval_start, interval_steps = time.perf_counter(), 0
+    interval_start, interval_steps, step_times = time.perf_counter(), 0, []
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not accelerator.is_main_process, desc="train")
     sample_ids = []  # per step, this rank's sample ids (--log_sample_ids)
     nonfinite_in_row, skipped_nonfinite, skipped_overflow = 0, 0, 0
@@ -247,14 +256,25 @@ def main(argv=None):
             step_losses = torch.stack([row[2] for row in pending]).tolist()
             grad_norms = torch.stack([row[3] for row in pending]).tolist()
             elapsed = time.perf_counter() - interval_start
-            tokens_per_s = interval_steps * tokens_per_step / elapsed
+            step_times.append(elapsed / interval_steps)
+            stats = metrics.interval_stats(
+                steps=interval_steps, seconds=elapsed, tokens_per_step=tokens_per_step,
+                world_size=accelerator.num_processes, flops_per_token=flops_per_token,
+                peak_tflops_per_device=peak["tflops"], steps_left=cfg.max_steps - step, step_times=step_times)
+            memory = metrics.memory_now(accelerator)  # every rank's (a small gather per interval)
             for (s, lr, _, _, loss_scale), value, norm in zip(pending, step_losses, grad_norms):
                 row = {"step": s, "loss": value, "lr": lr, "grad_norm": norm}
                 if loss_scale is not None:
                     row["loss_scale"] = loss_scale
                 summary["losses"].append(row)
-            summary["throughput"].append({"step": step, "tokens_per_s": tokens_per_s})
-            bar.set_postfix(loss=f"{step_losses[-1]:.4f}", lr=f"{pending[-1][1]:.2e}", tok_s=f"{tokens_per_s:,.0f}")
+                accelerator.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step=s)
+            summary["throughput"].append({"step": step, **stats, "memory_per_rank": memory})
+            accelerator.log({f"perf/{k}": v for k, v in stats.items() if v is not None}
+                            | {f"memory/rank{m['rank']}_{k}": v for m in memory for k, v in m.items() if k != "rank"},
+                            step=step)
+            tokens_per_s = stats["tokens_per_s"]
+            bar.set_postfix(loss=f"{step_losses[-1]:.4f}", lr=f"{pending[-1][1]:.2e}", tok_s=f"{tokens_per_s:,.0f}",
+                            **({"mfu": f"{stats['mfu']:.1%}"} if stats["mfu"] is not None else {}))
             bar.update(interval_steps)
             pending, interval_start, interval_steps = [], time.perf_counter(), 0
         if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.max_steps) and not preempted:
@@ -295,6 +315,8 @@ def main(argv=None):
     if accelerator.is_main_process:
         rates = [t["tokens_per_s"] for t in summary["throughput"]]
         summary["tokens_per_s_median"] = float(np.median(rates)) if rates else None
+        mfus = [t["mfu"] for t in summary["throughput"] if t["mfu"] is not None]
+        summary["mfu_median"] = float(np.median(mfus)) if mfus else None
         metrics.write_summary(f"{cfg.output_dir}/run_summary.json", summary)
         if not rates:  # resumed at max_steps: nothing trained, only exported
             print(f"done: no steps to run (resumed at step {start_step}) -> {cfg.output_dir}", flush=True)
@@ -302,7 +324,9 @@ def main(argv=None):
             final = summary["eval"][-1]["loss"] if summary["eval"] else math.nan
             print(f"done: {cfg.max_steps} steps, final eval loss {final:.4f} "
                   f"(bigram entropy of held-out data {summary['data']['eval_bigram_entropy']:.4f}), "
-                  f"median {summary['tokens_per_s_median']:,.0f} tokens/s -> {cfg.output_dir}", flush=True)
+                  f"median {summary['tokens_per_s_median']:,.0f} tokens/s"
+                  + (f", MFU {summary['mfu_median']:.1%}" if summary["mfu_median"] is not None else "")
+                  + f" -> {cfg.output_dir}", flush=True)
     accelerator.wait_for_everyone()  # no rank tears down the process group while another still uses it
     accelerator.end_training()
 

@@ -1,0 +1,116 @@
+"""Experiment trackers through accelerate (`--report_to tensorboard wandb trackio`), with secrets
+removed before any tracker sees them.
+
+accelerate's `init_trackers(config=...)` writes every value as given: a token passed in an option
+ends up in TensorBoard's hparams and event file, in wandb's run file and debug log, and in
+trackio's database (FACTS.md). So the config (and the run name) go through `redact` first:
+- the whole value of any key that names a secret (token, api_key, password, secret, credential...);
+- substrings that look like credentials wherever they are: Hugging Face / OpenAI / GitHub / Slack
+  tokens, AWS access key ids, 40-hex keys (wandb's format), passwords in URLs, `token=` query values;
+- the value of every environment variable whose name names a secret (HF_TOKEN, WANDB_API_KEY, ...),
+  wherever it turns up (a path or an id that embeds it).
+wandb also records the command line and host metadata on its own; that is switched off, since the
+command line holds the options before redaction.
+
+Where the files go: TensorBoard `<output_dir>/<project_name>/`, wandb `<output_dir>/wandb/`
+(`WANDB_MODE=offline` writes there without network), trackio `$TRACKIO_DIR` or
+`$HF_HOME/trackio/<project_name>.db`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+TRACKERS = ("tensorboard", "wandb", "trackio")
+REDACTED = "[redacted]"
+
+SECRET_NAME = re.compile(r"api[_-]?key|token|secret|passw(or)?d|credential|auth|private[_-]?key", re.IGNORECASE)
+SECRET_VALUE = re.compile(
+    r"hf_[A-Za-z0-9]{20,}"              # Hugging Face
+    r"|sk-[A-Za-z0-9_-]{20,}"           # OpenAI-style
+    r"|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}"
+    r"|xox[abprs]-[A-Za-z0-9-]{10,}"    # Slack
+    r"|AKIA[0-9A-Z]{16}"                # AWS access key id
+    r"|\b[0-9a-f]{40}\b"                # wandb API keys are 40 hex digits
+)
+URL_PASSWORD = re.compile(r"(://[^/\s:@]+:)[^/\s@]+(@)")
+QUERY_SECRET = re.compile(r"([?&](?:access_token|token|key|secret|password|sig|signature)=)[^&\s]+", re.IGNORECASE)
+
+
+def secret_env_values(environ=None) -> list[str]:
+    """Values of environment variables whose names name a secret (long enough to be one)."""
+    environ = os.environ if environ is None else environ
+    return sorted({v for k, v in environ.items() if SECRET_NAME.search(k) and len(v) >= 8}, key=len, reverse=True)
+
+
+def redact_text(text: str, env_secrets: list[str]) -> str:
+    for secret in env_secrets:
+        text = text.replace(secret, REDACTED)
+    text = SECRET_VALUE.sub(REDACTED, text)
+    text = URL_PASSWORD.sub(rf"\g<1>{REDACTED}\g<2>", text)
+    return QUERY_SECRET.sub(rf"\g<1>{REDACTED}", text)
+
+
+def redact(value, env_secrets: list[str] | None = None, key: str = ""):
+    """A copy of `value` (dicts, lists, scalars) with secrets replaced by '[redacted]'."""
+    env_secrets = secret_env_values() if env_secrets is None else env_secrets
+    if isinstance(value, dict):
+        return {k: redact(v, env_secrets, str(k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact(v, env_secrets, key) for v in value]
+    if key and SECRET_NAME.search(key) and value not in (None, "", False):
+        return REDACTED
+    if isinstance(value, str):
+        return redact_text(value, env_secrets)
+    return value
+
+
+def flatten(config: dict, prefix: str = "") -> dict:
+    """Nested config -> {'a/b': scalar}: TensorBoard's hparams take only scalars and strings."""
+    flat = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{name}/"))
+        elif isinstance(value, (int, float, str, bool)):
+            flat[name] = value
+        else:  # None, lists
+            flat[name] = str(value)
+    return flat
+
+
+def check_available(report_to: list[str]) -> None:
+    """Before any heavy work: an unknown tracker, or one whose package is missing, is bad input."""
+    from common.config import ConfigError
+
+    import importlib.util
+
+    for name in report_to:
+        if name not in TRACKERS:
+            raise ConfigError(f"unknown tracker {name!r} in --report_to; choose from {', '.join(TRACKERS)}")
+        module = {"tensorboard": "tensorboard"}.get(name, name)
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(f"--report_to {name} needs the {module} package: pip install -e '.[trackers]'")
+
+
+def run_name(cfg) -> str:
+    return redact_text(cfg.run_name or os.path.basename(os.path.abspath(cfg.output_dir)), secret_env_values())
+
+
+def start(accelerator, cfg, setup: dict) -> None:
+    """init_trackers with the redacted, flattened config (main process only, inside accelerate)."""
+    if not cfg.report_to:
+        return
+    env_secrets = secret_env_values()
+    config = flatten(redact({**dataclasses.asdict(cfg), "setup": {k: v for k, v in setup.items() if k != "options"}},
+                            env_secrets))
+    init_kwargs = {"trackio": {"name": run_name(cfg)}}
+    if "wandb" in cfg.report_to:
+        import wandb
+
+        # No command line (it holds the options unredacted), no code, git or host metadata.
+        init_kwargs["wandb"] = {"name": run_name(cfg), "dir": cfg.output_dir,
+                                "settings": wandb.Settings(x_disable_meta=True, save_code=False, disable_git=True)}
+    accelerator.init_trackers(cfg.project_name, config=config, init_kwargs=init_kwargs)
