@@ -160,17 +160,6 @@ def peak_flops(accelerator) -> dict:
     return {"tflops": tflops, "source": f"measured {str(dtype)[6:]} 1024x1024 matmul, {threads} threads"}
 
 
-def memory_now(accelerator) -> list[dict]:
-    """Every rank's memory at this moment and its peak so far (a collective: call on all ranks)."""
-    mine = {"rank": accelerator.process_index,
-            "cpu_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
-    if accelerator.device.type == "cuda":
-        mine["cuda_allocated_bytes"] = torch.cuda.memory_allocated(accelerator.device)
-        mine["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(accelerator.device)
-        mine["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved(accelerator.device)
-    return gather_object([mine]) if accelerator.num_processes > 1 else [mine]
-
-
 def interval_stats(*, steps: int, seconds: float, tokens_per_step: int, world_size: int, flops_per_token: float,
                    peak_tflops_per_device: float | None, steps_left: int, step_times: list[float]) -> dict:
     """Throughput of one log interval; `step_times` holds the mean step time of every interval so
@@ -190,10 +179,12 @@ def interval_stats(*, steps: int, seconds: float, tokens_per_step: int, world_si
 
 
 def peak_memory(accelerator) -> list[dict]:
-    """Peak memory of every rank: CUDA allocated/reserved bytes, and the process's peak RSS."""
+    """Every rank's peak memory so far (CUDA allocated/reserved, the process's peak RSS) and its
+    CUDA allocation now. A collective: call on all ranks."""
     mine = {"rank": accelerator.process_index,
             "cpu_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
     if accelerator.device.type == "cuda":
+        mine["cuda_allocated_bytes"] = torch.cuda.memory_allocated(accelerator.device)
         mine["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(accelerator.device)
         mine["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved(accelerator.device)
     return gather_object([mine]) if accelerator.num_processes > 1 else [mine]

@@ -261,7 +261,7 @@ def main(argv=None):
                 steps=interval_steps, seconds=elapsed, tokens_per_step=tokens_per_step,
                 world_size=accelerator.num_processes, flops_per_token=flops_per_token,
                 peak_tflops_per_device=peak["tflops"], steps_left=cfg.max_steps - step, step_times=step_times)
-            memory = metrics.memory_now(accelerator)  # every rank's (a small gather per interval)
+            memory = metrics.peak_memory(accelerator)  # every rank's (a small gather per interval)
             for (s, lr, _, _, loss_scale), value, norm in zip(pending, step_losses, grad_norms):
                 row = {"step": s, "loss": value, "lr": lr, "grad_norm": norm}
                 if loss_scale is not None:
