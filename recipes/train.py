@@ -22,11 +22,12 @@ with exact resume; fused AdamW; tqdm bar with loss, lr and tokens/s.
 Preemption (SIGTERM/SIGUSR1 on any rank): every rank finishes the step, a checkpoint and
 <output_dir>/requeue.json are written, exit code 75 (common/preemption.py). A rank that dies or
 hangs makes the others stop within --collective_timeout seconds with a message, not hang.
-Not yet: trackers, MFU in the run (see the README's status table).
+Per log interval: tokens/s (global, per device), step time, MFU, memory per rank, ETA, into
+run_summary.json and the trackers of --report_to (secrets removed first). --compile compiles
+each decoder layer.
 """
 
 import dataclasses
-import math
 import sys
 import time
 from datetime import timedelta
@@ -251,7 +252,6 @@ def main(argv=None):
         if stop_votes > 0:
             preempted = {"step": step, "signal": watch.signal_name or "another rank's signal"}
         if step % cfg.log_every == 0 or step == cfg.max_steps or preempted:
-            # Mean over ranks; .tolist() is the CPU-GPU sync that makes the timing honest.
             # Losses are already means over all ranks' tokens; .tolist() is the sync that makes the timing honest.
             step_losses = torch.stack([row[2] for row in pending]).tolist()
             grad_norms = torch.stack([row[3] for row in pending]).tolist()
@@ -277,10 +277,12 @@ def main(argv=None):
                             **({"mfu": f"{stats['mfu']:.1%}"} if stats["mfu"] is not None else {}))
             bar.update(interval_steps)
             pending, interval_start, interval_steps = [], time.perf_counter(), 0
+        paused = time.perf_counter()  # eval and checkpoint time is not training time: keep it out of tokens/s
         if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.max_steps) and not preempted:
             run_eval(step)
         if preempted or (cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps)):
             saved = save_checkpoint(step)
+        interval_start += time.perf_counter() - paused
         if preempted:  # the grace period is short: no eval, no export, just the checkpoint
             if accelerator.is_main_process:
                 preempted["marker"] = str(preemption.write_marker(cfg.output_dir, step, saved, preempted["signal"]))
@@ -321,10 +323,12 @@ def main(argv=None):
         if not rates:  # resumed at max_steps: nothing trained, only exported
             print(f"done: no steps to run (resumed at step {start_step}) -> {cfg.output_dir}", flush=True)
         else:
-            final = summary["eval"][-1]["loss"] if summary["eval"] else math.nan
-            print(f"done: {cfg.max_steps} steps, final eval loss {final:.4f} "
-                  f"(bigram entropy of held-out data {summary['data']['eval_bigram_entropy']:.4f}), "
-                  f"median {summary['tokens_per_s_median']:,.0f} tokens/s"
+            if summary["eval"]:
+                quality = (f"final eval loss {summary['eval'][-1]['loss']:.4f} (bigram entropy of held-out data "
+                           f"{summary['data']['eval_bigram_entropy']:.4f})")
+            else:
+                quality = f"last train loss {summary['losses'][-1]['loss']:.4f} (no eval: --eval_every 0)"
+            print(f"done: {cfg.max_steps} steps, {quality}, median {summary['tokens_per_s_median']:,.0f} tokens/s"
                   + (f", MFU {summary['mfu_median']:.1%}" if summary["mfu_median"] is not None else "")
                   + f" -> {cfg.output_dir}", flush=True)
     accelerator.wait_for_everyone()  # no rank tears down the process group while another still uses it
