@@ -148,6 +148,8 @@ def check_compatible(path: str | Path, cfg, accelerator) -> dict:
             f"do not reshard here: resume with {saved_world} processes, or export its weights with "
             f"{saved_world} processes (--resume_from_checkpoint {path} --max_steps {meta.get('step')}) and start "
             "a new run from <output_dir>/model with --model_name_or_path (the optimizer state starts afresh)")
+    if saved_world != this_world:
+        _samples_into_epoch(meta, cfg, this_world)  # raises if the position falls inside a micro-step here
     saved_batch = saved_cfg.get("micro_batch_size", 0) * saved_cfg.get("gradient_accumulation_steps", 0) * saved_world
     this_batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps * this_world
     if saved_batch != this_batch:
@@ -164,6 +166,14 @@ def data_position(meta: dict, cfg, world_size: int, batches_per_epoch: int) -> t
     Within an epoch the global sample order does not depend on how it is cut into micro-batches
     and ranks (rank r takes the loader's batches r, r + world, ...), so the position moves across
     a world-size change as a count of samples into the epoch."""
+    epoch, samples_into_epoch = _samples_into_epoch(meta, cfg, world_size)
+    new_skip = samples_into_epoch // (world_size * cfg.micro_batch_size)
+    if new_skip >= batches_per_epoch:  # the new geometry's epoch is shorter (drop_last): start the next one
+        return epoch + 1, 0
+    return epoch, new_skip
+
+
+def _samples_into_epoch(meta: dict, cfg, world_size: int) -> tuple[int, int]:
     from common.config import ConfigError
 
     saved_cfg, saved_world = meta["config"], meta["setup"]["world_size"]
@@ -171,12 +181,24 @@ def data_position(meta: dict, cfg, world_size: int, batches_per_epoch: int) -> t
     samples_into_epoch = skip * saved_world * saved_cfg["micro_batch_size"]
     per_micro_step = world_size * cfg.micro_batch_size
     if samples_into_epoch % per_micro_step:
-        raise ConfigError(f"the checkpoint stopped {samples_into_epoch} samples into an epoch, which is not a "
-                          f"whole number of this run's micro-steps of {per_micro_step} samples")
-    new_skip = samples_into_epoch // per_micro_step
-    if new_skip >= batches_per_epoch:  # the new geometry's epoch is shorter (drop_last): start the next one
-        return epoch + 1, 0
-    return epoch, new_skip
+        raise ConfigError(
+            f"the checkpoint stopped {samples_into_epoch} samples into an epoch (an epoch ended inside an optimizer "
+            f"step), which is not a whole number of this run's micro-steps of {per_micro_step} samples; resume "
+            f"with {saved_world} processes, or with a --micro_batch_size that divides {samples_into_epoch or 1}")
+    return epoch, samples_into_epoch
+
+
+def check_output_dir(cfg, start_step: int) -> None:
+    """Refuse to write into a folder that holds checkpoints past where this run starts: rotation
+    by step number would delete this run's own new checkpoints first, and `auto` would later
+    resume the other run's."""
+    from common.config import ConfigError
+
+    newer = [p.name for p in list_complete(cfg.output_dir) if int(p.name[5:]) > start_step]
+    if newer:
+        raise ConfigError(
+            f"{Path(cfg.output_dir) / CHECKPOINT_DIR} already holds {', '.join(newer[-3:])} past this run's start "
+            f"(step {start_step}): use --resume_from_checkpoint auto to continue it, or another --output_dir")
 
 
 def _fsync_tree(folder: Path) -> dict:

@@ -17,6 +17,7 @@ import gc
 import json
 import os
 import sys
+import traceback
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -138,8 +139,9 @@ class TrainConfig:
     collective_timeout: int = field(
         default=600,
         metadata={"help": "Seconds a rank waits in a collective (all-reduce, barrier) for the others before it "
-                          "stops with an error: bounds the hang when a rank dies or freezes. Raise it if a "
-                          "checkpoint or export of a large model takes longer."},
+                          "stops with an error: bounds the hang when a rank dies or freezes. It also bounds every "
+                          "wait for rank 0 alone: tokenising the data on first use, writing a checkpoint or the "
+                          "export: raise it if one of those takes longer."},
     )
     log_sample_ids: bool = field(
         default=False, metadata={"help": "Record every batch's sample ids per rank in run_summary.json (resume tests)."}
@@ -206,9 +208,10 @@ def _is_collective_failure(err: BaseException) -> bool:
     if isinstance(err, dist.DistError):
         return True
     text = str(err).lower()
+    # gloo's words for a dead peer and for a collective timeout; NCCL's watchdog aborts the process itself
     return isinstance(err, RuntimeError) and dist.is_initialized() and any(
-        needle in text for needle in ("gloo", "nccl", "processgroup", "connection closed by peer",
-                                      "connection reset by peer"))
+        needle in text for needle in ("connection closed by peer", "connection reset by peer", "timed out waiting",
+                                      "broken pipe"))
 
 
 def run_cli(main, argv: list[str] | None = None) -> int:
@@ -218,10 +221,6 @@ def run_cli(main, argv: list[str] | None = None) -> int:
 
     try:
         main(argv)
-        # Free reference cycles now, while the interpreter is fully alive: gloo work objects kept
-        # by FSDP2 hold tensors, and freeing them during interpreter shutdown can abort the
-        # process ("terminate called without an active exception", seen ~1 in 8 CPU FSDP runs).
-        gc.collect()
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
@@ -237,6 +236,7 @@ def run_cli(main, argv: list[str] | None = None) -> int:
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_initialized() else "?"
+        traceback.print_exc()  # where it failed; our one line follows
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
         # (starts a line of its own: the failure can strike with the progress bar mid-line)
         print(f"\nerror: rank {rank}: a collective failed ({type(err).__name__}: {first_line}): another rank died "
@@ -244,6 +244,12 @@ def run_cli(main, argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
         # Skip the interpreter's teardown: destroying a process group whose peer is gone can hang.
         os._exit(COLLECTIVE_FAILURE_EXIT_CODE)
+    finally:
+        # Free reference cycles now, while the interpreter is fully alive: gloo work objects kept
+        # by FSDP2 hold tensors, and freeing them during interpreter shutdown can abort the
+        # process ("terminate called without an active exception", seen ~1 in 8 CPU FSDP runs).
+        # In `finally`: a preempted or failed run exits through here too.
+        gc.collect()
     return 0
 
 

@@ -86,7 +86,7 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> nn.Module:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
     if cfg.compile:
-        compile_blocks(model)
+        model.compiled_blocks = compile_blocks(model)
     return model
 
 

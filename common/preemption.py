@@ -52,6 +52,7 @@ class PreemptionWatch:
 
     def __init__(self):
         self.signal_name: str | None = None
+        self._vote: torch.Tensor | None = None
 
     def install(self) -> PreemptionWatch:
         for sig in SIGNALS:
@@ -66,8 +67,11 @@ class PreemptionWatch:
             os.write(2, f"\n[pid {os.getpid()}] {self.signal_name} received: stopping after this step\n".encode())
 
     def vote(self, device) -> torch.Tensor:
-        """1.0 if this rank was signalled; summed over ranks with the step's loss."""
-        return torch.tensor(0.0 if self.signal_name is None else 1.0, device=device)
+        """1.0 if this rank was signalled; summed over ranks with the step's loss. One tensor kept on
+        the device and filled in place: torch.tensor(x, device="cuda") would be a blocking copy."""
+        if self._vote is None:
+            self._vote = torch.zeros((), device=device)
+        return self._vote.fill_(0.0 if self.signal_name is None else 1.0)
 
 
 def _sigterm_when_the_launcher_dies() -> None:

@@ -26,17 +26,21 @@ import re
 TRACKERS = ("tensorboard", "wandb", "trackio")
 REDACTED = "[redacted]"
 
-SECRET_NAME = re.compile(r"api[_-]?key|token|secret|passw(or)?d|credential|auth|private[_-]?key", re.IGNORECASE)
+SECRET_NAME = re.compile(r"api[_-]?key|token(?!izer)|secret|passw(or)?d|credential|auth|private[_-]?key|signature",
+                         re.IGNORECASE)
 SECRET_VALUE = re.compile(
     r"hf_[A-Za-z0-9]{20,}"              # Hugging Face
     r"|sk-[A-Za-z0-9_-]{20,}"           # OpenAI-style
     r"|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}"
     r"|xox[abprs]-[A-Za-z0-9-]{10,}"    # Slack
     r"|AKIA[0-9A-Z]{16}"                # AWS access key id
-    r"|\b[0-9a-f]{40}\b"                # wandb API keys are 40 hex digits
+    r"|\b[0-9a-fA-F]{40}\b"             # wandb API keys are 40 hex digits
 )
-URL_PASSWORD = re.compile(r"(://[^/\s:@]+:)[^/\s@]+(@)")
-QUERY_SECRET = re.compile(r"([?&](?:access_token|token|key|secret|password|sig|signature)=)[^&\s]+", re.IGNORECASE)
+URL_PASSWORD = re.compile(r"(://[^/\s:@]*:)[^/\s@]+(@)")  # user:password@ (the user may be empty)
+# a query or key=value pair whose name mentions a secret: ?api_key=..., &X-Amz-Signature=..., access-token=...
+QUERY_SECRET = re.compile(r"((?:^|[?&;,\s])[\w.-]*(?:token(?!izer)|key|secret|passw|sig|credential|auth)[\w.-]*=)[^&;,\s]+",
+                          re.IGNORECASE)
+BEARER = re.compile(r"((?:bearer|basic|token)\s+)[A-Za-z0-9._~+/=-]{8,}", re.IGNORECASE)
 
 
 def secret_env_values(environ=None) -> list[str]:
@@ -50,18 +54,21 @@ def redact_text(text: str, env_secrets: list[str]) -> str:
         text = text.replace(secret, REDACTED)
     text = SECRET_VALUE.sub(REDACTED, text)
     text = URL_PASSWORD.sub(rf"\g<1>{REDACTED}\g<2>", text)
+    text = BEARER.sub(rf"\g<1>{REDACTED}", text)
     return QUERY_SECRET.sub(rf"\g<1>{REDACTED}", text)
 
 
 def redact(value, env_secrets: list[str] | None = None, key: str = ""):
     """A copy of `value` (dicts, lists, scalars) with secrets replaced by '[redacted]'."""
     env_secrets = secret_env_values() if env_secrets is None else env_secrets
+    if key and SECRET_NAME.search(key) and value not in (None, "", False):
+        return REDACTED  # the whole value, whatever its type (a dict of credentials too)
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
     if isinstance(value, dict):
         return {k: redact(v, env_secrets, str(k)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [redact(v, env_secrets, key) for v in value]
-    if key and SECRET_NAME.search(key) and value not in (None, "", False):
-        return REDACTED
+        return [redact(v, env_secrets) for v in value]
     if isinstance(value, str):
         return redact_text(value, env_secrets)
     return value
@@ -76,8 +83,8 @@ def flatten(config: dict, prefix: str = "") -> dict:
             flat.update(flatten(value, f"{name}/"))
         elif isinstance(value, (int, float, str, bool)):
             flat[name] = value
-        else:  # None, lists
-            flat[name] = str(value)
+        else:  # None, lists, paths: strings, redacted again (str() of an object was never checked)
+            flat[name] = redact_text(str(value), secret_env_values())
     return flat
 
 
@@ -113,4 +120,4 @@ def start(accelerator, cfg, setup: dict) -> None:
         # No command line (it holds the options unredacted), no code, git or host metadata.
         init_kwargs["wandb"] = {"name": run_name(cfg), "dir": cfg.output_dir,
                                 "settings": wandb.Settings(x_disable_meta=True, save_code=False, disable_git=True)}
-    accelerator.init_trackers(cfg.project_name, config=config, init_kwargs=init_kwargs)
+    accelerator.init_trackers(redact_text(cfg.project_name, env_secrets), config=config, init_kwargs=init_kwargs)

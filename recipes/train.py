@@ -83,9 +83,14 @@ def main(argv=None):
     )
     strategy.check_launch(accelerator, "train.py", supports=("single", "ddp", "fsdp", "deepspeed"))
     strategy.configure_deepspeed(accelerator, cfg)  # DeepSpeed clips in its step: pass --max_grad_norm on
+    if accelerator.is_main_process:
+        # A requeued run has started: if it fails before it trains (say its checkpoint is damaged),
+        # the job must not be requeued again and again for the old preemption.
+        preemption.clear_marker(cfg.output_dir)
     resume_path = checkpoint.resolve_resume(cfg)
     if resume_path is not None:  # before any heavy work: files, model, strategy, world size, batch
         resume_meta = checkpoint.check_compatible(resume_path, cfg, accelerator)
+    checkpoint.check_output_dir(cfg, resume_meta["step"] if resume_path is not None else 0)
     set_seed(cfg.seed)  # the same seed on every rank: identical initial weights everywhere
 
     tokenizer = data.build_tokenizer(cfg)
@@ -113,6 +118,7 @@ def main(argv=None):
 
     # ---- model, optimizer, schedule ----
     model = modeling.build_model(cfg, len(tokenizer))
+    compiled_blocks = getattr(model, "compiled_blocks", 0)  # --compile
     num_params = metrics.count_parameters(model)
     optimizer = modeling.build_optimizer(model, cfg, accelerator.device)
     scheduler = build_scheduler(optimizer, cfg)
@@ -123,7 +129,7 @@ def main(argv=None):
     summary = {
         "recipe": "train.py",
         "setup": setup,
-        "model": {"parameters": num_params, "flops_per_token": flops_per_token, "compiled": cfg.compile},
+        "model": {"parameters": num_params, "flops_per_token": flops_per_token, "compiled_blocks": compiled_blocks},
         "peak_flops_per_device": peak,
         "data": {
             "train_blocks": len(train_set),
@@ -163,8 +169,6 @@ def main(argv=None):
             print(f"resumed from {resume_path} at step {start_step}", flush=True)
     elif cfg.eval_every > 0:
         run_eval(0)
-    if accelerator.is_main_process:
-        preemption.clear_marker(cfg.output_dir)  # this run is under way: no requeue for an old preemption
     micro_batches_done = epoch * len(train_loader) + skip
     model.train()
     batches = batches_forever(accelerator, train_loader, epoch, skip)
@@ -256,6 +260,7 @@ def main(argv=None):
             step_losses = torch.stack([row[2] for row in pending]).tolist()
             grad_norms = torch.stack([row[3] for row in pending]).tolist()
             elapsed = time.perf_counter() - interval_start
+            interval_start = time.perf_counter()  # what logging costs below counts in the next interval
             step_times.append(elapsed / interval_steps)
             stats = metrics.interval_stats(
                 steps=interval_steps, seconds=elapsed, tokens_per_step=tokens_per_step,
@@ -276,7 +281,7 @@ def main(argv=None):
             bar.set_postfix(loss=f"{step_losses[-1]:.4f}", lr=f"{pending[-1][1]:.2e}", tok_s=f"{tokens_per_s:,.0f}",
                             **({"mfu": f"{stats['mfu']:.1%}"} if stats["mfu"] is not None else {}))
             bar.update(interval_steps)
-            pending, interval_start, interval_steps = [], time.perf_counter(), 0
+            pending, interval_steps = [], 0
         paused = time.perf_counter()  # eval and checkpoint time is not training time: keep it out of tokens/s
         if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.max_steps) and not preempted:
             run_eval(step)
@@ -289,6 +294,8 @@ def main(argv=None):
             preempted["checkpoint"] = str(saved)
             break
     bar.close()
+    if start_step >= cfg.max_steps and cfg.eval_every > 0:  # nothing trained: still report the final model
+        run_eval(cfg.max_steps)
     if cfg.log_sample_ids:
         summary["sample_ids_per_rank"] = gather_object([sample_ids]) if accelerator.num_processes > 1 else [sample_ids]
     summary["skipped_steps"] = {"nonfinite_loss": skipped_nonfinite, "fp16_overflow": skipped_overflow}

@@ -392,6 +392,26 @@ def test_a_zero3_checkpoint_on_another_world_size_says_what_to_run(two_process_r
         checkpoint.check_compatible(step_30, cfg, fake_accelerator(DistributedType.DEEPSPEED, 1))
 
 
+def test_a_world_size_change_inside_a_micro_step_is_refused_before_any_work(tmp_path):
+    """An epoch that ended inside an optimizer step leaves a position that 8 ranks x 2 cannot start from."""
+    from common.config import TrainConfig
+
+    meta = {"step": 6, "micro_batches_done": 26, "batches_per_epoch": 25, "files": {},
+            "config": {"preset": "debug", "micro_batch_size": 2, "gradient_accumulation_steps": 2, "model_name_or_path": None},
+            "setup": {"distributed_type": "FSDP", "world_size": 4}}
+    (tmp_path / "checkpoint.json").write_text(json.dumps(meta))
+    cfg = TrainConfig(preset="debug", micro_batch_size=2, gradient_accumulation_steps=1)
+    with pytest.raises(ConfigError, match="8 samples into an epoch.*micro-steps of 16"):
+        checkpoint.check_compatible(tmp_path, cfg, fake_accelerator(DistributedType.FSDP, 8))
+
+
+def test_a_run_into_a_folder_with_newer_checkpoints_is_refused(two_checkpoints):
+    """A fresh run there would rotate its own new checkpoints away and `auto` would pick the old run's."""
+    with pytest.raises(ConfigError, match=r"already holds step_2, step_4 past this run's start \(step 0\)"):
+        checkpoint.check_output_dir(TrainConfig(output_dir=str(two_checkpoints)), 0)
+    checkpoint.check_output_dir(TrainConfig(output_dir=str(two_checkpoints)), 4)  # continuing it is fine
+
+
 def test_a_change_of_global_batch_is_refused(two_process_runs):
     step_30 = two_process_runs("train.py/ddp.yaml").output_dir / "checkpoints" / "step_30"
     cfg = parse_config(DEBUG_ARGS + ["--micro_batch_size", "4"])  # 4 x 1 rank: half the saved batch of 8
