@@ -116,8 +116,6 @@ def verify(path: str | Path) -> dict:
     return meta
 
 
-STRATEGY_NAMES = {"NO": "single process", "MULTI_CPU": "DDP", "MULTI_GPU": "DDP", "FSDP": "FSDP",
-                  "DEEPSPEED": "DeepSpeed"}
 # Strategies whose checkpoints hold full (unsharded) model and optimizer states: any of them
 # resumes any other, at any world size.
 REPLICATED = ("NO", "MULTI_CPU", "MULTI_GPU")
@@ -260,25 +258,23 @@ def save(accelerator, output_dir: str | Path, step: int, metadata: dict, keep: i
     return final
 
 
-def load(accelerator, path: str | Path, optimizer, scheduler) -> dict:
-    """Restore everything save_state wrote (call on every rank); return checkpoint.json.
+def load(accelerator, path: str | Path, optimizer, scheduler) -> None:
+    """Restore everything save_state wrote (call on every rank); checkpoint.json was read by check_compatible.
 
     A failure here (a file damaged in place, with its size intact) leaves the model half loaded:
     it becomes one error line naming the checkpoint and the run stops; it never trains on."""
-    from common.config import ConfigError
+    from common.config import ConfigError, one_line
 
     try:
         accelerator.load_state(str(path))
     except Exception as err:  # noqa: BLE001 - any reader's error: safetensors, torch.load, DCP, DeepSpeed
-        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ConfigError(f"checkpoint {path} could not be loaded ({type(err).__name__}: {first_line}); "
+        raise ConfigError(f"checkpoint {path} could not be loaded ({one_line(err)}); "
                           "resume from an older checkpoint") from None
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         # DeepSpeed's load_checkpoint gives its optimizer new param_group dicts; the torch LR
         # scheduler would keep setting the lr of the old ones and the real lr would freeze at its
         # value at save time (measured: resumed ZeRO-3 losses drifted from step N+3 on).
         scheduler.scheduler.optimizer = optimizer.optimizer
-    return json.loads((Path(path) / METADATA).read_text())
 
 
 def export_pretrained(accelerator, model, tokenizer, out_dir: str | Path) -> Path:

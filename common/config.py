@@ -201,6 +201,12 @@ def _has_text(path: str, chunk: int = 1 << 16) -> bool:
 COLLECTIVE_FAILURE_EXIT_CODE = 4
 
 
+def one_line(err: BaseException, limit: int = 300) -> str:
+    """`Type: first line of the message`, for error lines that must stay one line."""
+    first = (str(err).strip().splitlines() or [""])[0][:limit]
+    return f"{type(err).__name__}: {first}" if first else type(err).__name__
+
+
 def _is_collective_failure(err: BaseException) -> bool:
     """A collective that failed because a peer died (connection closed) or hung (timeout)."""
     import torch.distributed as dist
@@ -237,9 +243,8 @@ def run_cli(main, argv: list[str] | None = None) -> int:
 
         rank = dist.get_rank() if dist.is_initialized() else "?"
         traceback.print_exc()  # where it failed; our one line follows
-        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
         # (starts a line of its own: the failure can strike with the progress bar mid-line)
-        print(f"\nerror: rank {rank}: a collective failed ({type(err).__name__}: {first_line}): another rank died "
+        print(f"\nerror: rank {rank}: a collective failed ({one_line(err)}): another rank died "
               "or stopped responding (see the first error above, or --collective_timeout); stopping",
               file=sys.stderr, flush=True)
         # Skip the interpreter's teardown: destroying a process group whose peer is gone can hang.

@@ -97,9 +97,8 @@ def check_available(report_to: list[str]) -> None:
     for name in report_to:
         if name not in TRACKERS:
             raise ConfigError(f"unknown tracker {name!r} in --report_to; choose from {', '.join(TRACKERS)}")
-        module = {"tensorboard": "tensorboard"}.get(name, name)
-        if importlib.util.find_spec(module) is None:
-            raise ConfigError(f"--report_to {name} needs the {module} package: pip install -e '.[trackers]'")
+        if importlib.util.find_spec(name) is None:  # each tracker's package has the tracker's name
+            raise ConfigError(f"--report_to {name} needs the {name} package: pip install -e '.[trackers]'")
 
 
 def run_name(cfg) -> str:

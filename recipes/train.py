@@ -105,7 +105,7 @@ def main(argv=None):
     )
     # Printed once the data is known to be good, so bad input stays a one-line error.
     setup = config.setup_facts(cfg, accelerator)
-    peak = metrics.peak_flops(accelerator)  # per device, for MFU (measured on CPU: ~0.5 s)
+    peak = metrics.peak_flops(accelerator)  # per device, for MFU (measured on CPU: ~0.7 s)
     if accelerator.is_main_process:
         print(config.describe_setup(cfg, accelerator, {
             "model": cfg.model_name_or_path or f"preset {cfg.preset} (random init)",
@@ -154,7 +154,6 @@ def main(argv=None):
         if accelerator.is_main_process:
             tqdm.write(f"step {step}: eval loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f}")
 
-    # ---- training loop ----
     # ---- resume: model, optimizer, schedule, scaler, RNG of every rank, data position ----
     start_step, epoch, skip = 0, 0, 0
     if resume_path is not None:
@@ -170,6 +169,8 @@ def main(argv=None):
     elif cfg.eval_every > 0:
         run_eval(0)
     micro_batches_done = epoch * len(train_loader) + skip
+
+    # ---- training loop ----
     model.train()
     batches = batches_forever(accelerator, train_loader, epoch, skip)
     pending = []  # per-step losses kept on device; fetched at log points (one sync per interval)
