@@ -1,6 +1,6 @@
 """GPU check: every recipe with its config on the GPUs present, in priority order, one row each.
 
-    python scripts/gpu_check.py --out benchmarks/results/gpu_check_$(date +%F)   # about 4 minutes on one H200
+    python scripts/gpu_check.py --out benchmarks/results/gpu_check-$(date +%F)   # about 4 minutes on one H200
     python scripts/gpu_check.py --dry-run                                       # what it would run, in order
 
 Each run is a real `accelerate launch` of a recipe for a fixed number of steps on a preset that
