@@ -1,6 +1,7 @@
 """GPU check: every recipe with its config on the GPUs present, in priority order, one row each.
 
-    python scripts/gpu_check.py --out benchmarks/results/gpu_check-$(date +%F)   # about 4 minutes on one H200
+    python scripts/gpu_check.py --out benchmarks/results/gpu_check-$(date +%F)   # all 16 runs: ~11 min on one H200
+    python scripts/gpu_check.py --only 10 11 12 --out DIR                      # a subset, numbered as --dry-run shows
     python scripts/gpu_check.py --dry-run                                       # what it would run, in order
 
 Each run is a real `accelerate launch` of a recipe for a fixed number of steps on a preset that
@@ -69,12 +70,20 @@ def parse_args(argv=None):
     parser.add_argument("--out", type=Path, help="folder for gpu_check.md, gpu_check.jsonl and per-run logs")
     parser.add_argument("--single-process-only", action="store_true",
                         help="only the 1-process configs (used by the CPU test)")
+    parser.add_argument("--only", type=int, nargs="+", metavar="N",
+                        help="run only these entries of the plan (numbers as --dry-run prints them), in this order")
     parser.add_argument("--dry-run", action="store_true", help="print the runs in order and exit")
     return parser.parse_args(argv)
 
 
 def planned_runs(args) -> list[tuple[str, str, str]]:
-    return [run for run in RUNS if not args.single_process_only or run[1] in SINGLE_PROCESS_CONFIGS]
+    runs = [run for run in RUNS if not args.single_process_only or run[1] in SINGLE_PROCESS_CONFIGS]
+    if args.only:
+        bad = [n for n in args.only if not 1 <= n <= len(runs)]
+        if bad:
+            raise SystemExit(f"error: --only {bad[0]}: the plan has runs 1 to {len(runs)} (see --dry-run)")
+        runs = [runs[n - 1] for n in args.only]
+    return runs
 
 
 def environment() -> dict:
@@ -190,6 +199,8 @@ def main(argv=None) -> int:
                 errors = [line for line in str(output).splitlines() if line.startswith("error: ")]
                 row["status"] = ("timeout" if code is None else f"failed (exit {code})") + (
                     f": {errors[0][7:]}" if errors else "")
+                # The cause goes to stdout too: on a lent machine the console may be all that comes back.
+                print("\n".join(f"    {line}" for line in str(output).splitlines()[-25:]), flush=True)
         print(format_row(row), flush=True)
         if args.out:
             with open(args.out / "gpu_check.md", "a") as f:
