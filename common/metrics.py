@@ -13,6 +13,8 @@ of parsing logs. Only the main process writes it.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import math
 import os
@@ -76,6 +78,30 @@ def parameter_facts(model, accelerator) -> list[dict]:
         "sharded_tensors": placements,
     }
     return gather_object([mine]) if accelerator.num_processes > 1 else [mine]
+
+
+def strategy_facts(model, optimizer) -> dict:
+    """What the prepared objects really do (not what the config asked for): DeepSpeed's ZeRO stage,
+    offload targets and optimizer class; FSDP2's resharding, offload and compute dtype, read from
+    the first sharded block's parameter group."""
+    if hasattr(model, "zero_optimization_stage"):  # a DeepSpeed engine
+        return {"engine": "deepspeed", "zero_stage": model.zero_optimization_stage(),
+                # the offload settings are config objects (None when off): keep their target device
+                "offload_optimizer": str(getattr(model.zero_offload_optimizer(), "device", None)),
+                "offload_param": str(getattr(model.zero_offload_param(), "device", None)),
+                "optimizer": type(model.optimizer).__name__,
+                "inner_optimizer": type(getattr(model.optimizer, "optimizer", None)).__name__}
+    for module in model.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        group = state()._fsdp_param_group if state else None
+        if group is not None:
+            return {"engine": "fsdp2", "reshard_after_forward": group.post_forward_mesh_info is not None,
+                    "offload_policy": type(group.offload_policy).__name__,
+                    "offload_pin_memory": getattr(group.offload_policy, "pin_memory", None),
+                    "param_dtype": str(group.mp_policy.param_dtype),
+                    "sharded_param_device": str(group.fsdp_params[0].sharded_param.device),
+                    "optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__}
+    return {"engine": type(model).__name__, "optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__}
 
 
 def optimizer_facts(optimizer) -> list[dict]:
@@ -193,6 +219,48 @@ def peak_memory(accelerator) -> list[dict]:
         mine["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(accelerator.device)
         mine["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved(accelerator.device)
     return gather_object([mine]) if accelerator.num_processes > 1 else [mine]
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _host_heap_reader():
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallinfo2.restype = _Mallinfo2
+        return libc.mallinfo2
+    except (OSError, AttributeError):  # not glibc >= 2.33
+        return None
+
+
+_MALLINFO2 = _host_heap_reader()
+
+
+def memory_in_use(device: torch.device) -> dict:
+    """Bytes this process holds allocated right now: the CUDA allocator's count on a GPU, and the
+    host heap (glibc's mallinfo2: mmapped chunks + bytes in use in the main arena) everywhere.
+
+    The host figure is what CPU tensors cost (torch's CPU allocator is malloc), C++-side buffers
+    included (DDP's gradient buckets, DeepSpeed's flat partitions), which a walk over Python tensor
+    objects would miss. It excludes glibc's other arenas (allocations made by helper threads), so
+    run with MALLOC_MMAP_THRESHOLD_=65536 to measure: every allocation of 64 KiB or more is then a
+    counted mmapped chunk whichever thread makes it (benchmarks/memory.py and the tests do).
+    """
+    gc.collect()  # tensors only waiting for the cycle collector are not in use
+    out = {}
+    if _MALLINFO2 is not None:
+        info = _MALLINFO2()
+        out["host_bytes"] = info.hblkhd + info.uordblks
+    try:  # resident set size now (Linux), to set the process's peak RSS against
+        with open("/proc/self/statm") as f:
+            out["rss_bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    if device.type == "cuda":
+        out["cuda_bytes"] = torch.cuda.memory_allocated(device)
+    return out
 
 
 def write_summary(path: str | os.PathLike, summary: dict) -> None:

@@ -52,14 +52,21 @@ def fsdp_plugin():
         return None
     from accelerate import FullyShardedDataParallelPlugin
 
-    precision = requested()["mixed_precision"]
-    if precision not in ("bf16", "fp16"):
-        return FullyShardedDataParallelPlugin()
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    kwargs = {}
+    if _flag("FSDP_OFFLOAD_PARAMS"):
+        # accelerate builds CPUOffloadPolicy() with pinned host memory, which needs a GPU: without one
+        # the first copy fails ("Cannot access accelerator device"). Pin only where there is a GPU.
+        from torch.distributed.fsdp import CPUOffloadPolicy
 
-    compute = torch.bfloat16 if precision == "bf16" else torch.float16
-    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32, output_dtype=compute)
-    return FullyShardedDataParallelPlugin(mixed_precision_policy=policy)
+        kwargs["cpu_offload"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    precision = requested()["mixed_precision"]
+    if precision in ("bf16", "fp16"):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        compute = torch.bfloat16 if precision == "bf16" else torch.float16
+        kwargs["mixed_precision_policy"] = MixedPrecisionPolicy(
+            param_dtype=compute, reduce_dtype=torch.float32, output_dtype=compute)
+    return FullyShardedDataParallelPlugin(**kwargs)
 
 
 def check_launch(accelerator, recipe: str, supports: tuple[str, ...]) -> None:

@@ -117,6 +117,9 @@ def main(argv=None):
         }), flush=True)
 
     # ---- model, optimizer, schedule ----
+    # Memory in use at a few points of the run, per rank: what model states really cost under each
+    # strategy (compared with common/plan.py's formulas by the tests and benchmarks/memory.py).
+    memory_points = {"before_model": metrics.memory_in_use(accelerator.device)}
     model = modeling.build_model(cfg, len(tokenizer))
     compiled_blocks = getattr(model, "compiled_blocks", 0)  # --compile
     num_params = metrics.count_parameters(model)
@@ -125,6 +128,7 @@ def main(argv=None):
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler
     )
+    memory_points["after_prepare"] = metrics.memory_in_use(accelerator.device)
 
     summary = {
         "recipe": "train.py",
@@ -137,6 +141,7 @@ def main(argv=None):
             "eval_bigram_entropy": data.bigram_entropy(eval_set.token_stream()),
         },
         "parameters_per_rank": metrics.parameter_facts(model, accelerator),  # at rest, after prepare
+        "strategy": metrics.strategy_facts(model, optimizer),
         "optimizer_groups": metrics.optimizer_facts(optimizer),
         "losses": [],
         "eval": [],
@@ -187,6 +192,8 @@ def main(argv=None):
             "tokens_seen": step * tokens_per_step, "config": dataclasses.asdict(cfg),
             "setup": {k: setup[k] for k in ("distributed_type", "world_size", "mixed_precision")}})
 
+    # The second step of the run: optimizer states exist by then (created lazily at the first step).
+    memory_probe_step = min(start_step + 2, cfg.max_steps)
     for step in range(start_step + 1, cfg.max_steps + 1):
         # The whole optimizer step's micro-batches first: their target-token count over all
         # micro-batches and ranks normalises the loss, so every target token weighs the same
@@ -207,6 +214,8 @@ def main(argv=None):
                 micro_sum = modeling.causal_lm_loss(model, batch["input_ids"], batch["labels"], reduction="sum")
                 accelerator.backward(micro_sum * scale)
             loss_sum += micro_sum.detach()
+        if step == memory_probe_step:  # activations freed, gradients held (DeepSpeed: already stepped)
+            memory_points["after_backward"] = metrics.memory_in_use(accelerator.device)
         # One all-reduce carries the loss and each rank's preemption vote: every rank then stops
         # after the same step, whichever of them got the signal, and when.
         loss_and_votes = accelerator.reduce(torch.stack([loss_sum, watch.vote(loss_sum.device)]), "sum")
@@ -249,6 +258,8 @@ def main(argv=None):
                 raise config.TrainingError(stop)
             grad_norm = None  # skipped: the gradients are dropped below, the schedule waits
         optimizer.zero_grad(set_to_none=True)
+        if step == memory_probe_step:  # at rest between steps
+            memory_points["after_step"] = metrics.memory_in_use(accelerator.device)
         loss_scale = accelerator.scaler.get_scale() if accelerator.scaler is not None else None
         lr = optimizer.param_groups[0]["lr"]  # what the optimizer will really use next, not what the schedule says
         pending.append((step, lr, step_loss, metrics.as_tensor(grad_norm), loss_scale))
@@ -322,6 +333,9 @@ def main(argv=None):
             "probe_logits": checkpoint.probe_logits(accelerator, model, probe),
         }
     summary["peak_memory_per_rank"] = metrics.peak_memory(accelerator)
+    memory_points["rank"] = accelerator.process_index
+    summary["memory_points_per_rank"] = (gather_object([memory_points]) if accelerator.num_processes > 1
+                                         else [memory_points])
     if accelerator.is_main_process:
         rates = [t["tokens_per_s"] for t in summary["throughput"]]
         summary["tokens_per_s_median"] = float(np.median(rates)) if rates else None

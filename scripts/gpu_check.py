@@ -1,6 +1,6 @@
 """GPU check: every recipe with its config on the GPUs present, in priority order, one row each.
 
-    python scripts/gpu_check.py --out benchmarks/results/gpu_check-$(date +%F)   # all 16 runs: ~11 min on one H200
+    python scripts/gpu_check.py --out benchmarks/results/gpu_check-$(date +%F)   # all 21 runs; the first 16 took ~11 min on one H200
     python scripts/gpu_check.py --only 10 11 12 --out DIR                      # a subset, numbered as --dry-run shows
     python scripts/gpu_check.py --dry-run                                       # what it would run, in order
 
@@ -48,6 +48,11 @@ RUNS = [
     ("train.py", "fp16.yaml", "fp16"),
     ("fp16_scaler.py", "ddp.yaml", "fp16"),
     ("accumulate_and_clip.py", "ddp.yaml", "bf16"),
+    ("train.py", "fsdp_shard_grad_op.yaml", "bf16"),  # the rest of the ladder (common/plan.py)
+    ("train.py", "fsdp_offload.yaml", "bf16"),
+    ("train.py", "deepspeed_zero1.yaml", "bf16"),  # DeepSpeed without offload: torch's AdamW, no op build
+    ("train.py", "deepspeed_zero2.yaml", "bf16"),
+    ("train.py", "deepspeed_zero3.yaml", "bf16"),
     ("deepspeed_zero3_offload.py", "deepspeed_zero3_offload.yaml", "bf16"),
     ("train.py", "deepspeed_zero3_offload.yaml", "bf16"),
     ("train.py", "deepspeed_zero3_offload.yaml", "fp16"),  # DeepSpeed's own loss scaler, GPU only

@@ -48,11 +48,12 @@ def launch_env(hf_home: Path) -> dict:
 # How each config runs as 2 CPU processes over gloo (FACTS.md): DDP through accelerate's own
 # MULTI_CPU path; FSDP2 and DeepSpeed through the CPU harness. fp32, because bf16 autocast is ~10x
 # slower on these CPUs and parity is checked at fp32 tolerances.
+_HARNESS_ENV = {"ACCELERATE_RECIPES_CPU_HARNESS": "1", "PYTHONPATH": str(ROOT / "scripts" / "cpu_harness")}
 TWO_CPU_PROCESSES = {
     "ddp.yaml": {"ACCELERATE_USE_CPU": "true"},
-    "fsdp.yaml": {"ACCELERATE_RECIPES_CPU_HARNESS": "1", "PYTHONPATH": str(ROOT / "scripts" / "cpu_harness")},
-    "deepspeed_zero3_offload.yaml": {"ACCELERATE_RECIPES_CPU_HARNESS": "1",
-                                     "PYTHONPATH": str(ROOT / "scripts" / "cpu_harness")},
+    **{config: _HARNESS_ENV for config in (
+        "fsdp.yaml", "fsdp_shard_grad_op.yaml", "fsdp_offload.yaml",
+        "deepspeed_zero1.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml", "deepspeed_zero3_offload.yaml")},
 }
 TWO_PROCESS_LAUNCH = ["--num_processes", "2", "--num_cpu_threads_per_process", "1", "--mixed_precision", "no"]
 
@@ -209,7 +210,7 @@ def two_process_runs(tmp_path_factory, hf_home, initial_model):
 
 
 # ---- fp16 on CPU through the harness, shared by the precision and checkpoint tests ----
-HARNESS = {"ACCELERATE_RECIPES_CPU_HARNESS": "1", "PYTHONPATH": str(ROOT / "scripts" / "cpu_harness")}
+HARNESS = _HARNESS_ENV
 # An initial scale of 2^24 makes the first steps overflow for real (no mock): each is skipped and
 # the scale halves until the scaled gradients fit in fp16.
 FP16_ARGS = DEBUG_ARGS + ["--max_steps", "20", "--eval_every", "20", "--fp16_init_scale", "16777216"]

@@ -1,0 +1,108 @@
+"""The ZeRO / FSDP ladder: every rung's config launched once with 2 CPU processes on the `small`
+preset (113.7M parameters), checked for what really ran, for training, and for its per-rank
+model-state bytes against the planner (common/plan.py) within 10%.
+
+Memory is measured inside train.py (common/metrics.memory_in_use: glibc's count of the heap in use,
+which on CPU holds every tensor, C++ buffers included) at the second step, minus the same count
+taken just before the model was built. MALLOC_MMAP_THRESHOLD_ makes every allocation of 64 KiB or
+more a counted mmapped chunk, whichever thread makes it. On CPU the "device" and the "host" are one
+memory, so the offload rungs are compared on device + host together.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from common import plan
+from conftest import Run, launch_two_processes
+
+LADDER_ARGS = ["--preset", "small", "--seq_len", "32", "--micro_batch_size", "2", "--max_steps", "4",
+               "--warmup_steps", "1", "--eval_every", "0", "--log_every", "1", "--save_model", "false"]
+MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+# What each rung must really run (read from the prepared engine / FSDP2 parameter groups).
+EXPECTED = {
+    "ddp.yaml": {"distributed_type": "MULTI_CPU"},
+    "deepspeed_zero1.yaml": {"engine": "deepspeed", "zero_stage": 1, "offload_optimizer": "None",
+                             "offload_param": "None", "optimizer": "DeepSpeedZeroOptimizer"},
+    "deepspeed_zero2.yaml": {"engine": "deepspeed", "zero_stage": 2, "offload_optimizer": "None",
+                             "offload_param": "None", "optimizer": "DeepSpeedZeroOptimizer"},
+    "fsdp_shard_grad_op.yaml": {"engine": "fsdp2", "reshard_after_forward": False, "offload_policy": "OffloadPolicy"},
+    "fsdp.yaml": {"engine": "fsdp2", "reshard_after_forward": True, "offload_policy": "OffloadPolicy"},
+    "deepspeed_zero3.yaml": {"engine": "deepspeed", "zero_stage": 3, "offload_optimizer": "None",
+                             "offload_param": "None", "optimizer": "DeepSpeedZeroOptimizer_Stage3"},
+    "fsdp_offload.yaml": {"engine": "fsdp2", "reshard_after_forward": True, "offload_policy": "CPUOffloadPolicy",
+                          "offload_pin_memory": False},  # pinning needs a GPU (common/strategy.py)
+    "deepspeed_zero3_offload.yaml": {"engine": "deepspeed", "zero_stage": 3, "offload_optimizer": "cpu",
+                                     "offload_param": "cpu", "inner_optimizer": "DeepSpeedCPUAdam"},
+}
+RUNGS = list(EXPECTED)
+SHARDS_PARAMETERS = {"fsdp_shard_grad_op.yaml", "fsdp.yaml", "fsdp_offload.yaml", "deepspeed_zero3.yaml",
+                     "deepspeed_zero3_offload.yaml"}
+
+
+@pytest.fixture(scope="session")
+def ladder_runs(tmp_path_factory, hf_home):
+    runs = {}
+
+    def get(config: str) -> Run:
+        if config not in runs:
+            out = tmp_path_factory.mktemp("ladder_" + config.removesuffix(".yaml"))
+            proc = launch_two_processes("train.py", config, LADDER_ARGS + ["--output_dir", str(out)], hf_home,
+                                        env=MEMORY_ENV)
+            runs[config] = Run(out, proc)
+        return runs[config]
+
+    return get
+
+
+def test_every_rung_of_the_planner_has_a_config_and_a_test():
+    assert sorted(r.config for r in plan.LADDER) == sorted(RUNGS)
+
+
+@pytest.mark.parametrize("config", RUNGS)
+def test_rung_runs_what_its_config_says_and_trains(ladder_runs, config):
+    summary = ladder_runs(config).summary
+    assert summary["setup"]["world_size"] == 2
+    expected = dict(EXPECTED[config])
+    assert summary["setup"]["distributed_type"] == expected.pop(
+        "distributed_type", "DEEPSPEED" if config.startswith("deepspeed") else "FSDP")
+    for key, value in expected.items():
+        assert summary["strategy"][key] == value, (key, summary["strategy"])
+    losses = [row["loss"] for row in summary["losses"]]
+    assert losses[-1] < losses[0] - 0.5 and max(losses[1:]) < losses[0] + 0.5, losses
+    for rank in summary["parameters_per_rank"]:
+        share = rank["local_numel"] / rank["global_numel"]
+        assert share == pytest.approx(0.5 if config in SHARDS_PARAMETERS else 1.0, abs=0.01), rank
+
+
+def test_rungs_that_start_from_the_same_weights_train_alike(ladder_runs):
+    """DDP, ZeRO-1/2 and the FSDP2 rungs start from the same random init (ZeRO-3 draws its init
+    inside zero.Init, in another order) and must compute the same steps."""
+    reference = [row["loss"] for row in ladder_runs("ddp.yaml").summary["losses"]]
+    for config in ("deepspeed_zero1.yaml", "deepspeed_zero2.yaml", "fsdp_shard_grad_op.yaml", "fsdp.yaml",
+                   "fsdp_offload.yaml"):
+        losses = [row["loss"] for row in ladder_runs(config).summary["losses"]]
+        assert losses == pytest.approx(reference, abs=1e-4), (config, losses, reference)
+    zero3 = [row["loss"] for row in ladder_runs("deepspeed_zero3.yaml").summary["losses"]]
+    offload = [row["loss"] for row in ladder_runs("deepspeed_zero3_offload.yaml").summary["losses"]]
+    assert offload == pytest.approx(zero3, abs=1e-4)
+
+
+def measured(summary: dict, point: str) -> list[int]:
+    """Per rank: heap bytes in use at `point` minus before the model existed."""
+    return [m[point]["host_bytes"] - m["before_model"]["host_bytes"] for m in summary["memory_points_per_rank"]]
+
+
+@pytest.mark.parametrize("config", RUNGS)
+def test_model_state_bytes_match_the_planner(ladder_runs, config):
+    summary = ladder_runs(config).summary
+    shape = plan.model_shape(preset="small")
+    predicted = plan.model_state_bytes(config, summary["model"]["parameters"], 2, "fp32", shape=shape)
+    at_rest = predicted["at_rest"]["device"]["total"] + predicted["at_rest"]["host"]["total"]
+    for value in measured(summary, "after_step"):
+        assert value == pytest.approx(at_rest, rel=0.10), (value / 1e6, at_rest / 1e6)
+    if not config.startswith("deepspeed"):  # DeepSpeed steps inside backward: no point with gradients held
+        at_step = predicted["at_step"]["device"]["total"] + predicted["at_step"]["host"]["total"]
+        for value in measured(summary, "after_backward"):
+            assert value == pytest.approx(at_step, rel=0.10), (value / 1e6, at_step / 1e6)
