@@ -24,8 +24,6 @@ from bench_utils import ACCELERATE, HARNESS, ROOT, run, summary, write_results
 sys.path.insert(0, str(ROOT))
 from common import plan  # noqa: E402
 
-MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}  # every allocation >= 64 KiB is counted (see memory_in_use)
-
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -44,7 +42,7 @@ def main():
     rows, results = [], []
     for rung in plan.LADDER:
         out = work / rung.config.removesuffix(".yaml")
-        env = {**MEMORY_ENV, **({"ACCELERATE_USE_CPU": "true"} if rung.framework == "ddp" else HARNESS)}
+        env = {"ACCELERATE_USE_CPU": "true"} if rung.framework == "ddp" else HARNESS
         options = ["--preset", args.preset, "--seq_len", str(args.seq_len), "--micro_batch_size",
                    str(args.micro_batch_size), "--max_steps", "3", "--warmup_steps", "1", "--eval_every", "0",
                    "--log_every", "1", "--save_model", "false", "--output_dir", str(out)]
@@ -57,6 +55,8 @@ def main():
         want = {"rest": states["at_rest"]["device"]["total"] + states["at_rest"]["host"]["total"],
                 "step": states["at_step"]["device"]["total"] + states["at_step"]["host"]["total"],
                 "peak": planned[rung.config]["peak"] + planned[rung.config]["host"]}
+        if "host_bytes" not in s["memory_points_per_rank"][0]["before_model"]:
+            raise SystemExit("error: no host memory figure (common/metrics.memory_in_use needs glibc >= 2.33)")
         ranks = []
         for points, peak in zip(s["memory_points_per_rank"], s["peak_memory_per_rank"]):
             base = points["before_model"]
@@ -78,7 +78,7 @@ def main():
         f"Model: preset {args.preset}, {results[0]['n_params'] / 1e6:.1f}M parameters; 2 processes (1 thread each), "
         f"mixed precision {args.precision}, micro-batch {args.micro_batch_size} x seq {args.seq_len}; MB = 1e6 bytes "
         "per rank; the rank furthest from the plan is shown (results.json has both).",
-        "Measured: heap in use (glibc mallinfo2, MALLOC_MMAP_THRESHOLD_=65536) at the second step minus before the "
+        "Measured: heap in use (glibc mallinfo2) at the second step minus before the "
         "model was built: 'rest' after optimizer.zero_grad, 'grads' after backward (DeepSpeed has already stepped "
         "inside backward there, so '-'); 'peak' = peak RSS minus RSS before the model, i.e. it also holds "
         "activations, allocator caching and anything else the step touched.",

@@ -82,26 +82,38 @@ def parameter_facts(model, accelerator) -> list[dict]:
 
 def strategy_facts(model, optimizer) -> dict:
     """What the prepared objects really do (not what the config asked for): DeepSpeed's ZeRO stage,
-    offload targets and optimizer class; FSDP2's resharding, offload and compute dtype, read from
-    the first sharded block's parameter group."""
+    offload targets and optimizer class; FSDP2's resharding, offload and compute dtype, read from a
+    transformer block's parameter group; whether activation checkpointing is on (the recipe's
+    --gradient_checkpointing or FSDP's fsdp_activation_checkpointing wrapper)."""
+    def is_a(module, names) -> bool:  # by class name, through fully_shard's FSDP<Class> subclasses
+        return any(cls.__name__ in names for cls in type(module).__mro__)
+
+    inner = getattr(model, "module", model)  # DDP and DeepSpeed wrap the model
+    facts = {"activation_checkpointing": bool(getattr(inner, "is_gradient_checkpointing", False)) or any(
+        is_a(m, {"CheckpointWrapper"}) for m in model.modules())}
     if hasattr(model, "zero_optimization_stage"):  # a DeepSpeed engine
         return {"engine": "deepspeed", "zero_stage": model.zero_optimization_stage(),
                 # the offload settings are config objects (None when off): keep their target device
                 "offload_optimizer": str(getattr(model.zero_offload_optimizer(), "device", None)),
                 "offload_param": str(getattr(model.zero_offload_param(), "device", None)),
                 "optimizer": type(model.optimizer).__name__,
-                "inner_optimizer": type(getattr(model.optimizer, "optimizer", None)).__name__}
+                "inner_optimizer": type(getattr(model.optimizer, "optimizer", None)).__name__, **facts}
+    blocks = set(getattr(inner, "_no_split_modules", None) or [])
     for module in model.modules():
         state = getattr(module, "_get_fsdp_state", None)
         group = state()._fsdp_param_group if state else None
-        if group is not None:
+        # A block's unit (or its checkpoint wrapper's): accelerate never reshards the root unit
+        # (embeddings, lm_head) after forward, whatever the config says.
+        is_block = is_a(module, blocks) or any(is_a(m, blocks) for m in module.children())
+        if group is not None and is_block:
             return {"engine": "fsdp2", "reshard_after_forward": group.post_forward_mesh_info is not None,
                     "offload_policy": type(group.offload_policy).__name__,
                     "offload_pin_memory": getattr(group.offload_policy, "pin_memory", None),
                     "param_dtype": str(group.mp_policy.param_dtype),
                     "sharded_param_device": str(group.fsdp_params[0].sharded_param.device),
-                    "optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__}
-    return {"engine": type(model).__name__, "optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__}
+                    "optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__, **facts}
+    return {"engine": type(model).__name__, "optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
+            **facts}
 
 
 def optimizer_facts(optimizer) -> list[dict]:
@@ -231,7 +243,7 @@ def _host_heap_reader():
         libc = ctypes.CDLL(None)
         libc.mallinfo2.restype = _Mallinfo2
         return libc.mallinfo2
-    except (OSError, AttributeError):  # not glibc >= 2.33
+    except Exception:  # not glibc >= 2.33 (musl, macOS, Windows): no host figure
         return None
 
 
@@ -239,14 +251,14 @@ _MALLINFO2 = _host_heap_reader()
 
 
 def memory_in_use(device: torch.device) -> dict:
-    """Bytes this process holds allocated right now: the CUDA allocator's count on a GPU, and the
-    host heap (glibc's mallinfo2: mmapped chunks + bytes in use in the main arena) everywhere.
+    """Bytes this process holds allocated right now: "host_bytes" from glibc's mallinfo2 (bytes in
+    use in every malloc arena + mmapped chunks; absent without glibc >= 2.33), "rss_bytes" (Linux),
+    and "cuda_bytes" from the CUDA allocator on a GPU.
 
     The host figure is what CPU tensors cost (torch's CPU allocator is malloc), C++-side buffers
     included (DDP's gradient buckets, DeepSpeed's flat partitions), which a walk over Python tensor
-    objects would miss. It excludes glibc's other arenas (allocations made by helper threads), so
-    run with MALLOC_MMAP_THRESHOLD_=65536 to measure: every allocation of 64 KiB or more is then a
-    counted mmapped chunk whichever thread makes it (benchmarks/memory.py and the tests do).
+    objects would miss; freed memory that malloc keeps for reuse does not count. A full garbage
+    collection runs first (~0.1 s), so call it at a few chosen points, not every step.
     """
     gc.collect()  # tensors only waiting for the cycle collector are not in use
     out = {}

@@ -3,12 +3,18 @@
     python -m common.plan --preset 8b --gpus 8 --gpu_memory_gb 80 --seq_len 4096 --micro_batch_size 1
     python -m common.plan --model_name_or_path path/to/hf_folder --gpus 4 --gpu_memory_gb 40
     python -m common.plan --params 7e9 --gpus 8 --textbook
+    python -m common.plan --preset 8b --gpus 1 --gpu_memory_gb 16 --host_memory_gb 64
 
 For every rung of LADDER (cheapest first) it prints the memory per GPU, split into parameters,
 gradients, optimizer states (master copies included), framework buffers, activations and logits,
-at rest and at peak; marks what fits; names the cheapest config in accelerate_configs/ that fits
-with its launch line; and when nothing fits, checks concretely what would (more GPUs, activation
-checkpointing, a smaller micro-batch, offload) and names those that work. Units: 1 GB = 1e9 bytes.
+at rest and at peak, and the CPU RAM per process; marks what fits ("tight" when the peak is above
+90% of the usable memory); names the cheapest config in accelerate_configs/ that fits with headroom
+(the cheapest tight one, with a warning, when only tight ones fit) with its launch line; and when
+nothing fits, checks concretely what would (more GPUs, more CPU RAM, activation checkpointing, a
+smaller micro-batch, offload) and names those that work. Units: 1 GB = 1e9 bytes.
+The presets use the byte tokenizer's 259-token vocabulary (the '8b' preset is 6.98B parameters; a
+real Llama-3-8B config, 128k vocabulary, is 8.03B with ~500x larger logits): for a real model pass
+--model_name_or_path to a local folder with its config.json. The output says so for presets.
 
 Where the numbers come from
 - Model states (`model_state_bytes`): one formula per framework, as configured in this repo, read
@@ -29,26 +35,67 @@ Where the numbers come from
   block's full activations are recomputed, so peak adds one block's measured activations.
   The gradient tensors alive during one block's / the head's backward are measured too (live
   storages, tracked with a dispatch mode) and added as a transient.
-- Peak = model states after backward + parameters in flight (FSDP2 all-gathers, ZeRO-3 fetches,
-  autocast's bf16 weight copies) + backward transients + activations + logits: activations and
-  gradients are both counted in full, an upper bound by construction (in reality activations are
-  freed while gradients appear). The optimizer step is a second candidate for the peak.
+  Columns: "activ" = the blocks' saved tensors + one block's backward transient (+ the recomputed
+  block); "logits" = the head's saved tensors + the head's backward transient (the logits' fp32
+  gradient, tokens x vocab x 4 bytes and its cast: for a large vocabulary it rivals the blocks).
+- Peak: the largest of three candidates.
+  forward/backward = model states after backward + parameters in flight (FSDP2 all-gathers, ZeRO-3
+    fetches, autocast's bf16 weight copies) + backward transients + activations + logits. Within
+    the modelled terms this over-counts (activations and gradients both in full, though activations
+    are freed while gradients appear; the block's and the head's backward transients together).
+  optimizer step = model states after backward + the step's temporaries (DeepSpeed's flattened
+    gradient partition and its fp32 copy).
+  init = the framework's states at the end of accelerator.prepare (only those that exist then:
+    Adam's states are created at the first step, lazily, torch/optim/adam.py _init_group and
+    DeepSpeedCPUAdam) + its temporary buffers: ZeRO-1/2's zero fp32 gradient of the master
+    partition (stage_1_and_2.py:934-951), ZeRO-3's fp32 gradient buffer of the largest sub-group
+    (stage3.py:1301-1306, freed at :1366-1368), FSDP2's one unit moved whole to the GPU before
+    fully_shard shards it (_fsdp_init.py:369-401). deepspeed 0.19.8 runs no optimizer step at init
+    (older versions did, creating Adam's states there). Read from the code, these init buffers are
+    freed before Adam's states, the gradient buffers and (ZeRO-3) the IPG bucket exist, so this
+    candidate stays below the other two for every rung: it is modelled and shown ("^"), not a fix.
+  NOT AN UPPER BOUND. Measured on CPU (benchmarks/results/memory-2026-11-30: 113.7M parameters,
+  2 ranks, bf16, micro-batch 2 x 256) the peak was ABOVE the plan under DeepSpeed: ZeRO-1 +6%,
+  ZeRO-2 +8%, ZeRO-3 +22%, ZeRO-3 offload +23% (DDP and FSDP2: 10-14% below). The model states
+  at rest agree within 1-5%, so the gap is in transients this does not model; unverified
+  candidates: DeepSpeed's communication temporaries (on CPU, gloo's fallbacks for reduce-scatter /
+  all-gather), ZeRO-3's fetch/prefetch beyond one module + the prefetch bucket, allocator caching
+  and fragmentation (heap, and on a GPU the CUDA caching allocator). Also not modelled: the
+  construction transient of zero.Init (one module at a time), ZeRO-1/2 flattening the parameters
+  (a second bf16 copy of the model for a moment, on the GPU when it has room, else in CPU RAM:
+  stage_1_and_2.py:438-452), torch.compile, the CUDA context itself. Under DeepSpeed treat "tight"
+  as "may not fit".
 - Fits: peak <= GPU memory - reserve (default 2 GB for the CUDA context, NCCL buffers and
-  allocator fragmentation: an allowance, not a measurement).
+  allocator fragmentation: an allowance, not a measurement), and, with --host_memory_gb, the CPU
+  RAM per machine: max(host after backward, host at init) x processes per machine
+  (min(--gpus, --gpus_per_node), default min(--gpus, 8)) <= --host_memory_gb. Host at init is the fp32 model
+  every process builds on the CPU (recipes/train.py: build_model before accelerator.prepare), 4
+  bytes/parameter per process, for every rung but ZeRO-3 with zero3_init_flag (zero.Init builds
+  partitions only); for the offload rungs, the parameters/gradients/optimizer states kept in CPU
+  RAM. Without --host_memory_gb host RAM is not checked and the output says so (the planner usually
+  runs on another machine than the one it plans for, so it does not read this one's /proc/meminfo).
+  The OS, the CUDA contexts, pinned data-loader buffers and the page cache are not counted.
+- Tight: fits, with the peak above 90% of the usable memory (TIGHT); the recommendation prefers the
+  cheapest rung that fits without being tight.
+- --textbook: the ZeRO paper's model states. FSDP2 rows are analogies, the paper has no FSDP: no
+  reshard ~ ZeRO-2 (2 + 14/W: it holds every parameter gathered from forward to backward, as
+  ZeRO-2 holds all bf16 parameters), full shard ~ ZeRO-3 (16/W); between steps FSDP2 here keeps
+  12/W (fp32 shards + AdamW), +4/W gradients after backward. Offload rows: ZeRO-3's 16/W in CPU RAM.
 
 Assumptions (each is one named term or one line of code):
 - Parameters in flight: FSDP2 full shard holds two blocks (current + prefetched) and the tail unit
-  [final norm, lm_head] that accelerate never reshards after forward; without reshard, every unit.
+  [final norm, lm_head] that accelerate never reshards after forward (with tied embeddings the tail
+  is [final norm, embedding = lm_head]: fsdp_utils.py:863-879); without reshard, every unit.
   ZeRO-3 holds the largest module plus stage3_prefetch_bucket_size elements (max_live_parameters
   caps it). DDP/single under autocast keep a bf16 copy of every weight until its backward (measured).
 - DeepSpeed bucket sizes come from the JSONs in accelerate_configs/ ("auto" = accelerate's fill).
 - gradient_accumulation_steps 1: with accumulation ZeRO-1 keeps full-size gradients between
-  micro-batches (+2 bytes/parameter in bf16); not modelled. Nor are torch.compile and host RAM
-  limits (host bytes are printed, not checked).
+  micro-batches (+2 bytes/parameter in bf16); not modelled.
 - fp16 is probed as bf16 (same sizes); a non-Llama config is probed as a Llama block of its dims.
 
-Exit codes: 0 when the plan is printed, whether or not something fits (the last line says which:
-"fits: ..." or "nothing fits: ..."); 2 on bad input, with one line "error: ..." on stderr.
+Exit codes: 0 when the plan is printed, whether or not something fits (a line "fits: ..." followed
+by the launch line, or a last line "nothing fits: ..."); 2 on bad input (including a number that is
+inf or nan), with one line "error: ..." on stderr.
 """
 
 from __future__ import annotations
@@ -133,11 +180,15 @@ class ModelShape:
     max_positions: int | None
     rms_eps: float
     block_params: int  # one decoder block: an FSDP2 unit
-    embed_params: int  # input embedding: an FSDP2 unit of its own (accelerate, untied weights)
-    tail_params: int  # final norm + lm_head: accelerate's FSDP2 tail unit, reshard_after_forward=False
+    embed_params: int  # input embedding (an FSDP2 unit of its own when untied; in the tail when tied)
+    # accelerate's FSDP2 tail unit, reshard_after_forward=False: final norm + lm_head, and with tied
+    # weights the shared embedding/lm_head (accelerate/utils/fsdp_utils.py:863-879)
+    tail_params: int
     largest_module_params: int  # ZeRO-3 gathers per submodule (its direct parameters)
     param_numels: tuple[int, ...]  # every parameter tensor (ZeRO-3 persistence threshold)
     llama: bool  # False: the activation probe uses a Llama block of the same dimensions
+    tied: bool = False  # input embedding and lm_head share one weight (tie_word_embeddings)
+    preset: str | None = None  # the preset's name (byte vocabulary); None for a folder
 
     @property
     def dims(self) -> tuple:
@@ -187,6 +238,8 @@ def model_shape(preset: str | None = None, model_name_or_path: str | None = None
     n_params = numel(model)  # parameters() deduplicates tied weights
     embed = model.get_input_embeddings()
     embed_params = numel(embed)
+    head = model.get_output_embeddings()
+    tied = getattr(head, "weight", None) is not None and head.weight is getattr(embed, "weight", None)
     try:
         heads = text.num_attention_heads
         return ModelShape(
@@ -203,10 +256,14 @@ def model_shape(preset: str | None = None, model_name_or_path: str | None = None
             rms_eps=float(getattr(text, "rms_norm_eps", 1e-5)),
             block_params=max(numel(b) for b in blocks),
             embed_params=embed_params,
-            tail_params=n_params - sum(numel(b) for b in blocks) - embed_params,
+            # Untied: [final norm, lm_head]; the embedding is a unit of its own. Tied: accelerate puts
+            # the shared embedding/lm_head into the tail with the final norm (fsdp_utils.py:873-874).
+            tail_params=n_params - sum(numel(b) for b in blocks) - (0 if tied else embed_params),
             largest_module_params=max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
             param_numels=tuple(p.numel() for p in model.parameters()),
             llama=getattr(text, "model_type", "") == "llama",
+            tied=tied,
+            preset=preset if model_name_or_path is None else None,
         )
     except AttributeError as err:  # the probe needs a Llama-like decoder's fields
         raise PlanError(f"{model_name_or_path}: not a Llama-like decoder config ({err})")
@@ -219,13 +276,35 @@ def model_shape(preset: str | None = None, model_name_or_path: str | None = None
 # When a term is present. "rest": between steps (after zero_grad(set_to_none=True)) and also at the
 # step. "step": after backward until the step's zero_grad (gradients). The transients, on the GPU:
 # "in_flight": unsharded/fetched parameters held during forward/backward; "backward": buffers alive
-# only during backward; "optimizer_step": temporaries inside optimizer.step().
-WHEN = ("rest", "step", "in_flight", "backward", "optimizer_step")
+# only during backward; "optimizer_step": temporaries inside optimizer.step(). "init": alive only
+# while the run starts, at one of two moments (the term's "moment"): "build" (build_model makes the
+# model, before accelerator.prepare) and "setup" (inside accelerator.prepare, once the framework's
+# states exist; a "rest" term with at_init=True is already there then, the others are created later,
+# e.g. Adam's states at the first optimizer.step()).
+WHEN = ("rest", "step", "in_flight", "backward", "optimizer_step", "init")
+TRANSIENTS = ("in_flight", "backward", "optimizer_step")
+INIT_MOMENTS = ("build", "setup")
 CATEGORIES = ("params", "grads", "optimizer", "buffers")
 
 SRC_DS12 = "deepspeed/runtime/zero/stage_1_and_2.py"
 SRC_DS3 = "deepspeed/runtime/zero/stage3.py"
 SRC_FSDP = "torch/distributed/fsdp/_fully_shard"
+SRC_BUILD = "recipes/train.py:123 (common.model.build_model: from_config / from_pretrained in fp32 on the CPU)"
+SRC_ADAM_LAZY = "torch/optim/adam.py:139-187 (_init_group: exp_avg/exp_avg_sq created at the first step)"
+
+
+@functools.lru_cache(maxsize=16)
+def zero3_init(config: str) -> bool:
+    """Whether a DeepSpeed config in accelerate_configs/ builds the model inside deepspeed.zero.Init
+    (zero3_init_flag: each rank materialises only its partitions; accelerate's default is False)."""
+    import yaml
+
+    path = os.path.join(CONFIG_DIR, config)
+    if not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        ds = (yaml.safe_load(f) or {}).get("deepspeed_config") or {}
+    return bool(ds.get("zero3_init_flag", False))
 
 
 @functools.lru_cache(maxsize=64)
@@ -267,8 +346,10 @@ def zero_settings(config: str, hidden: int | None = None) -> dict:
 def textbook_bytes(rung: Rung | str, n_params: float, world_size: int) -> dict:
     """The ZeRO paper's model states (Rajbhandari et al. 2020, fig. 1): fp16 mixed precision with
     Adam, K = 12 bytes/parameter of optimizer state. Per GPU: DDP 16 bytes/parameter, ZeRO-1
-    4 + 12/W, ZeRO-2 2 + 14/W, ZeRO-3 16/W. FSDP2 without reshard maps to ZeRO-2, full shard to
-    ZeRO-3; the offload rungs move ZeRO-3's 16/W to CPU RAM (the paper has no figure for them)."""
+    4 + 12/W, ZeRO-2 2 + 14/W, ZeRO-3 16/W. The paper has no FSDP: as an analogy FSDP2 without
+    reshard gets ZeRO-2's numbers (at its peak it holds every parameter gathered, as ZeRO-2 holds
+    all of them; between steps FSDP2 here keeps only 12/W) and full shard ZeRO-3's; the offload
+    rungs move ZeRO-3's 16/W to CPU RAM (the paper has no figure for them)."""
     return model_state_bytes(rung, n_params, world_size, textbook=True)
 
 
@@ -285,12 +366,17 @@ def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precis
     Returns a dict:
       rung, config, world_size, precision, n_params, textbook
       terms: list of {name, category (params|grads|optimizer|buffers), location (device|host),
-             when (rest|step|in_flight|backward|optimizer_step), bytes, source}
+             when (rest|step|in_flight|backward|optimizer_step|init), bytes, source, at_init (a "rest"
+             term that already exists at the "setup" moment of initialisation), moment (init terms:
+             build|setup)}
       at_rest: {"device": {params, grads, optimizer, buffers, total}, "host": {...}}
                between steps, after optimizer.zero_grad(set_to_none=True)
       at_step: same keys: model states after backward, before optimizer.step() (gradients present)
       transient: {in_flight, backward, optimizer_step}: extra GPU bytes during forward/backward
                (unsharded or fetched parameters), during backward only, inside optimizer.step()
+      at_init: same keys as at_rest: the larger, per location, of the two moments of initialisation
+               ("build": the fp32 model on the CPU; "setup": the framework's states created by
+               accelerator.prepare plus its temporary buffers). Empty with textbook=True.
       unknown: names of terms left out for want of `shape`
     """
     rung = get_rung(rung)
@@ -302,9 +388,15 @@ def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precis
     b = DTYPE_BYTES[precision]  # compute dtype: autocast target, FSDP2 param_dtype, DeepSpeed model dtype
     terms, unknown = [], []
 
-    def add(name, category, when, nbytes, source, location="device"):
+    def add(name, category, when, nbytes, source, location="device", at_init=False, moment=None):
         terms.append(dict(name=name, category=category, location=location, when=when, bytes=float(nbytes),
-                          source=source))
+                          source=source, at_init=at_init, moment=moment))
+
+    def add_build():
+        """Every rung but ZeRO-3 with zero3_init_flag: each process builds the whole model in fp32 in
+        CPU RAM before accelerator.prepare moves/casts/shards it."""
+        add("fp32 model built in CPU RAM by every process (before accelerator.prepare)", "params", "init", 4 * P,
+            SRC_BUILD, "host", moment="build")
 
     if textbook:
         host = "host" if rung.offload else "device"
@@ -317,26 +409,34 @@ def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precis
     elif rung.framework in ("single", "ddp"):
         # accelerate's mixed precision for DDP/single is autocast: the weights stay fp32.
         add("fp32 parameters", "params", "rest", 4 * P,
-            "common/model.py build_model (fp32); accelerate/accelerator.py:1824-1835 (autocast wraps forward)")
+            "common/model.py build_model (fp32); accelerate/accelerator.py:1824-1835 (autocast wraps forward)",
+            at_init=True)
         add("AdamW exp_avg + exp_avg_sq, fp32", "optimizer", "rest", 8 * P,
             "torch/optim/adam.py _init_group: zeros_like(param) for both states")
+        add_build()
         add("fp32 gradients (.grad)", "grads", "step", 4 * P,
             "autograd accumulates in the parameter dtype; zero_grad(set_to_none=True) frees them")
         if rung.framework == "ddp":
             add("DDP reducer buckets (a second fp32 copy of every gradient)", "buffers", "rest", 4 * P,
                 "torch/nn/parallel/distributed.py:731-735 (gradient_as_bucket_view=False saves nothing); "
-                "accelerate/utils/dataclasses.py:188 (accelerate's default: False)")
+                "accelerate/utils/dataclasses.py:188 (accelerate's default: False)", at_init=True)
     elif rung.framework == "deepspeed" and rung.stage in (1, 2):
         # DeepSpeed casts the module to bf16/fp16 (fp32 for mixed_precision "no") and takes the
         # DeepSpeedZeroOptimizer path: bf16 + stage 1 only switches to BF16_Optimizer when
         # data_types.grad_accum_dtype is fp32 (engine.py:2305-2311, 1806-1807); the JSONs set none.
         ds = zero_settings(rung.config, shape.hidden if shape else None)
         add(f"{precision} parameters, one flat buffer (bit16_groups_flat; model params are views)", "params",
-            "rest", b * P, f"{SRC_DS12}:509-524, 534 (_update_model_bit16_weights)")
+            "rest", b * P, f"{SRC_DS12}:509-524, 534 (_update_model_bit16_weights)", at_init=True)
         add("fp32 master partition (single_partition_of_fp32_groups; a copy even in fp32 training)",
-            "optimizer", "rest", 4 * P / W, f"{SRC_DS12}:560-577 (.clone().to(fp32))")
+            "optimizer", "rest", 4 * P / W, f"{SRC_DS12}:560-577 (.clone().to(fp32))", at_init=True)
         add("AdamW exp_avg + exp_avg_sq on the fp32 partition", "optimizer", "rest", 8 * P / W,
-            f"{SRC_DS12}:584 (the optimizer sees only the fp32 partition)")
+            f"{SRC_DS12}:584 (the optimizer sees only the fp32 partition); {SRC_ADAM_LAZY}")
+        add_build()
+        # initialize_optimizer_states: a zero fp32 gradient for the master partition, dropped again at
+        # its end without CPU offload. deepspeed 0.19.8 runs no optimizer step here (older versions
+        # did, creating Adam's states at init): they appear at the first real step.
+        add("zero fp32 gradient of the master partition (initialize_optimizer_states; freed at its end)", "grads",
+            "init", 4 * P / W, f"{SRC_DS12}:934-951 (called at :734)", moment="setup")
         add(f"gradient partition, {precision} (grads_in_partition)", "grads", "step", b * P / W,
             f"{SRC_DS12}:2184-2199 (contiguous_gradients), kept by averaged_gradients until step()")
         n_buckets = 2 if ds["overlap_comm"] else 1
@@ -369,25 +469,35 @@ def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precis
         ds = zero_settings(rung.config, shape.hidden if shape else None)
         off = "host" if rung.offload else "device"
         add(f"{precision} parameter partitions", "params", "rest", b * P / W,
-            f"{SRC_DS3}:968-973 (lp_param_buffer); offload_param: pinned CPU buffer :977-998, :888-911", off)
+            f"{SRC_DS3}:968-973 (lp_param_buffer); offload_param: pinned CPU buffer :977-998, :888-911", off,
+            at_init=True)
         # Always a separate copy, even in fp32: the reuse branch (:1162-1167) compares the partition's
         # torch.device with the device *name* string (self.device, :333), which is never equal.
         # Measured (small preset, fp32, 2 CPU ranks): 10.34 bytes/param at rest = 20.7/W.
         add("fp32 master partition (a copy, even in fp32 training)", "optimizer", "rest", 4 * P / W,
-            f"{SRC_DS3}:1156-1160, 1168-1172 (.clone())", off)
+            f"{SRC_DS3}:1156-1160, 1168-1172 (.clone())", off, at_init=True)
         add("Adam exp_avg + exp_avg_sq, fp32" + (" (DeepSpeedCPUAdam)" if rung.offload else ""), "optimizer", "rest",
-            8 * P / W, "deepspeed/ops/adam/cpu_adam.py:158-164" if rung.offload else "torch AdamW on the fp32 partition",
-            off)
+            8 * P / W, "deepspeed/ops/adam/cpu_adam.py:158-164 (created at the first step)" if rung.offload
+            else f"torch AdamW on the fp32 partition; {SRC_ADAM_LAZY}", off)
         add(f"gradient partitions, {precision} (grad_partitions_flat_buffer, allocated once)", "grads", "rest",
-            b * P / W, f"{SRC_DS3}:789-795 (on self.device: the CPU with optimizer offload, :333)", off)
+            b * P / W, f"{SRC_DS3}:789-795 (on self.device: the CPU with optimizer offload, :333; allocated after "
+                       "initialize_optimizer_states, :772)", off)
         if rung.offload:
             add("fp32 gradient buffer of the CPU optimizer (pinned)", "grads", "rest", 4 * P / W,
-                f"{SRC_DS3}:1337-1342", "host")
+                f"{SRC_DS3}:1337-1342", "host", at_init=True)
         else:
             # step(): flatten (copy) + cast to fp32 per sub-group (sub_group_size elements at most).
             part = min(P / W, ds["sub_group_size"])
             add("flattened gradient partition + its fp32 copy inside step()", "grads", "optimizer_step",
                 (b + 4) * part if b != 4 else 4 * part, f"{SRC_DS3}:2683-2694")
+        # initialize_optimizer_states: an fp32 gradient buffer of the largest sub-group's partition on
+        # self.device (the CPU with optimizer offload), dropped at its end (without offload the
+        # sub-groups' .grad are reset to None, :1366-1368); no optimizer step in deepspeed 0.19.8.
+        add("fp32 gradient buffer of the largest sub-group (initialize_optimizer_states; freed at its end)", "grads",
+            "init", 4 * min(P / W, ds["sub_group_size"]), f"{SRC_DS3}:1301-1306 (called at :772)", off,
+            moment="setup")
+        if not zero3_init(rung.config):
+            add_build()
         if shape is None or ds["reduce_bucket_size"] is None:
             unknown += ["IPG bucket", "persistent small parameters", "fetched parameters", "module gradient"]
         else:
@@ -396,7 +506,7 @@ def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precis
             threshold = ds["stage3_param_persistence_threshold"]
             persistent = sum(n for n in shape.param_numels if n <= threshold)
             add(f"persistent parameters (<= {threshold:.3g} elements, whole on every rank)", "params", "rest",
-                b * persistent, "deepspeed/runtime/zero/partition_parameters.py:1292-1293 (ds_persist)")
+                b * persistent, "deepspeed/runtime/zero/partition_parameters.py:1292-1293 (ds_persist)", at_init=True)
             fetched = min(shape.largest_module_params + ds["stage3_prefetch_bucket_size"],
                           max(ds["stage3_max_live_parameters"], shape.largest_module_params))
             add("fetched parameters: the largest module + the prefetch bucket (assumed)", "params", "in_flight",
@@ -410,41 +520,57 @@ def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precis
         # (common/strategy.py) only changes the all-gathered copies: shards, their grads and the
         # AdamW states stay fp32. CPUOffloadPolicy keeps all three in CPU RAM.
         add("fp32 parameter shards (DTensor)", "params", "rest", 4 * P / W,
-            f"{SRC_FSDP}/_fsdp_param.py:298-318 (padded shard in the original dtype; offload: .cpu())", off)
+            f"{SRC_FSDP}/_fsdp_param.py:298-318 (padded shard in the original dtype; offload: .cpu())", off,
+            at_init=True)
         add("AdamW exp_avg + exp_avg_sq on the shards", "optimizer", "rest", 8 * P / W,
-            "torch/optim/adam.py _init_group (states on the shard's device)", off)
+            f"{SRC_ADAM_LAZY} (states on the shard's device)", off)
+        add_build()
         add("fp32 gradient shards", "grads", "step", 4 * P / W,
             f"{SRC_FSDP}/_fsdp_collectives.py:686-710 (views of the fp32 reduce-scatter output; offload: copied to CPU)",
             off)
         if shape is None:
-            unknown += ["unsharded parameters in flight", "unsharded gradients + reduce-scatter input"]
+            unknown += ["unsharded parameters in flight", "unsharded gradients + reduce-scatter input",
+                        "one unit's parameters moved whole to the GPU at init"]
         else:
             if rung.reshard:
-                # Current block + the prefetched one, plus the tail unit [final norm, lm_head] that
-                # accelerate shards with reshard_after_forward=False: unsharded from the end of
-                # forward to the start of backward, the peak moment.
+                # Current block + the prefetched one, plus the tail unit [final norm, lm_head] (with
+                # tied weights [final norm, embedding = lm_head]) that accelerate shards with
+                # reshard_after_forward=False: unsharded from the end of forward to the start of
+                # backward, the peak moment.
                 in_flight = 2 * shape.block_params + shape.tail_params
-                why = "two blocks (current + prefetched) + the tail [final norm, lm_head]"
+                why = ("two blocks (current + prefetched) + the tail [final norm, "
+                       + ("tied embedding/lm_head]" if shape.tied else "lm_head]"))
             else:
                 in_flight = shape.n_params  # every unit stays gathered from its forward to its backward
                 why = "every unit, held from its forward to its backward"
             add(f"all-gathered parameters in {precision}: {why}", "params", "in_flight", b * in_flight,
                 f"{SRC_FSDP}/_fsdp_param.py:630-680 (unsharded params), accelerate/utils/fsdp_utils.py:857-878")
-            unit = max(shape.block_params, shape.tail_params, shape.embed_params)
+            unit = max(shape.block_params, shape.tail_params, 0 if shape.tied else shape.embed_params)
             add(f"one unit's unsharded {precision} gradients + fp32 reduce-scatter input", "grads", "backward",
                 (b + 4) * unit, f"{SRC_FSDP}/_fsdp_collectives.py:592-605")
+            # fully_shard moves each unit's fp32 parameters to the GPU whole, then shards them.
+            add("one unit's fp32 parameters, moved to the GPU whole by fully_shard before it shards them", "params",
+                "init", 4 * unit, f"{SRC_FSDP}/_fsdp_init.py:369-401, 567 (_move_states_to_device)",
+                moment="setup")
 
-    def total(whens, location):
+    def total(whens, location, keep=lambda t: True):
         sums = {c: sum(t["bytes"] for t in terms if t["category"] == c and t["when"] in whens
-                       and t["location"] == location) for c in CATEGORIES}
+                       and t["location"] == location and keep(t)) for c in CATEGORIES}
         return sums | {"total": sum(sums.values())}
+
+    def at_init(location):
+        build = total(("init",), location, lambda t: t["moment"] == "build")
+        setup = total(("rest", "init"), location, lambda t: t["at_init"] if t["when"] == "rest"
+                      else t["moment"] == "setup")
+        return max(build, setup, key=lambda d: d["total"])
 
     return dict(
         rung=rung.name, config=rung.config, world_size=W, precision=precision, n_params=P, textbook=textbook,
         terms=terms, unknown=unknown,
         at_rest={loc: total(("rest",), loc) for loc in ("device", "host")},
         at_step={loc: total(("rest", "step"), loc) for loc in ("device", "host")},
-        transient={w: sum(t["bytes"] for t in terms if t["when"] == w) for w in WHEN[2:]},
+        transient={w: sum(t["bytes"] for t in terms if t["when"] == w) for w in TRANSIENTS},
+        at_init={loc: at_init(loc) for loc in ("device", "host")},
     )
 
 
@@ -670,7 +796,8 @@ def activation_bytes(shape: ModelShape, regime: str, seq_len: int, micro_batch_s
     """Activation memory per GPU for micro_batch_size x seq_len tokens, from the CPU probes scaled
     linearly (see the module docstring for the O(seq) assumption).
 
-    Returns {activations, blocks, recompute, rope, logits, weight_copies, backward, tokens, probe}:
+    Returns {activations, blocks, recompute, rope, logits, weight_copies, backward, backward_block,
+    backward_head, tokens, probe}:
       activations = blocks + recompute + rope
       blocks: what L blocks keep from forward to backward (their saved tensors; with checkpointing
               their inputs only)
@@ -679,8 +806,10 @@ def activation_bytes(shape: ModelShape, regime: str, seq_len: int, micro_batch_s
       logits: what the embedding/final norm/lm_head/cross-entropy keep (fp32 log-probs dominate)
       weight_copies: autocast's low-precision weight copies kept for backward (L blocks' + lm_head;
                    one block's + lm_head's with checkpointing)
-      backward: gradients and temporaries alive during the backward of one block and of the head
-                (both added: an upper bound)
+      backward = backward_block + backward_head (both added although they are never alive together)
+      backward_block: gradients and temporaries alive during the backward of one block
+      backward_head: the same for the head: the logits' gradient (fp32, tokens x vocab, and its cast
+                back to the compute dtype) dominates; large for a large vocabulary
     """
     tokens = micro_batch_size * seq_len
     probe_tokens = min(seq_len, PROBE_TOKENS)
@@ -697,9 +826,10 @@ def activation_bytes(shape: ModelShape, regime: str, seq_len: int, micro_batch_s
     else:
         blocks, recompute = L * per(block, "saved"), 0.0
         copies = L * block["copies"] + head["copies"]
+    backward_block, backward_head = per(block, "backward_extra"), per(head, "backward_extra")
     return dict(activations=blocks + recompute + rope, blocks=blocks, recompute=recompute, rope=rope,
-                logits=per(head, "saved"), weight_copies=copies,
-                backward=per(block, "backward_extra") + per(head, "backward_extra"), tokens=tokens,
+                logits=per(head, "saved"), weight_copies=copies, backward=backward_block + backward_head,
+                backward_block=backward_block, backward_head=backward_head, tokens=tokens,
                 probe=dict(block=block, head=head))
 
 
@@ -725,14 +855,30 @@ class Request:
     activation_checkpointing: bool = False
     textbook: bool = False
     reserve_gb: float = 2.0
+    host_memory_gb: float | None = None  # CPU RAM per machine; None: host RAM is not checked
+    gpus_per_node: int | None = None  # GPUs per machine (None: 8); processes per machine = min(gpus, this)
 
     @property
     def usable(self) -> float:
         return (self.gpu_memory_gb - self.reserve_gb) * GB
 
+    @property
+    def procs_per_node(self) -> int:
+        return min(self.gpus, self.gpus_per_node or 8)
+
+
+TIGHT = 0.9  # a peak above this share of the usable GPU memory is printed "tight"
+
 
 def evaluate(model: ModelShape | float, req: Request) -> list[dict]:
-    """One row per rung: model states, transients, activations, peak (bytes per GPU), fits."""
+    """One row per rung, bytes per GPU (per process for host). Keys:
+    rung, states (model_state_bytes), activations (activation_bytes or None), columns (the peak's
+    composition: params, grads, optimizer, buffers, activations, logits), rest, peak (the largest of
+    the three candidates), candidates {forward_backward, optimizer_step, init}, peak_at (which one),
+    peak_in_step, host (CPU RAM per process after backward: offload), host_init (CPU RAM per process
+    while the run starts), host_per_node (max(host, host_init) x processes per machine),
+    host_fits (None when host RAM is not checked), gpu_fits, fits (bool: GPU and host), tight
+    (fits, but the peak is above TIGHT x the usable GPU memory)."""
     shape = model if isinstance(model, ModelShape) else None
     n_params = shape.n_params if shape else float(model)
     rows = []
@@ -741,22 +887,34 @@ def evaluate(model: ModelShape | float, req: Request) -> list[dict]:
         dev, tr = states["at_step"]["device"], states["transient"]
         act = (activation_bytes(shape, regime_of(rung, req.precision), req.seq_len, req.micro_batch_size,
                                 req.activation_checkpointing) if shape else None)
-        # Peak composition during forward/backward; each column's share of it.
+        # Peak composition during forward/backward; each column's share of it. The blocks' backward
+        # transient goes with the activations, the head's (the logits' gradient) with the logits.
         cols = dict(params=dev["params"] + tr["in_flight"] + (act["weight_copies"] if act else 0),
                     grads=dev["grads"] + tr["backward"], optimizer=dev["optimizer"], buffers=dev["buffers"],
-                    activations=act["activations"] + act["backward"] if act else 0.0,
-                    logits=act["logits"] if act else 0.0)
-        fwd_bwd = sum(cols.values())
-        opt_step = dev["total"] + tr["optimizer_step"]
-        peak = max(fwd_bwd, opt_step)
+                    activations=act["activations"] + act["backward_block"] if act else 0.0,
+                    logits=act["logits"] + act["backward_head"] if act else 0.0)
+        candidates = dict(forward_backward=sum(cols.values()), optimizer_step=dev["total"] + tr["optimizer_step"],
+                          init=states["at_init"]["device"]["total"])
+        peak_at = max(candidates, key=candidates.get)  # ties: forward_backward (listed first)
+        peak = candidates[peak_at]
+        host, host_init = states["at_step"]["host"]["total"], states["at_init"]["host"]["total"]
+        host_per_node = max(host, host_init) * req.procs_per_node
+        host_fits = None if req.host_memory_gb is None else host_per_node <= req.host_memory_gb * GB
+        gpu_fits = peak <= req.usable
+        fits = gpu_fits and host_fits is not False
         rows.append(dict(rung=rung, states=states, activations=act, columns=cols, rest=states["at_rest"]["device"]
-                         ["total"], peak=peak, peak_in_step=opt_step > fwd_bwd,
-                         host=states["at_step"]["host"]["total"], fits=peak <= req.usable))
+                         ["total"], peak=peak, candidates=candidates, peak_at=peak_at,
+                         peak_in_step=peak_at == "optimizer_step", host=host, host_init=host_init,
+                         host_per_node=host_per_node, host_fits=host_fits, gpu_fits=gpu_fits, fits=fits,
+                         tight=fits and peak > TIGHT * req.usable))
     return rows
 
 
 def cheapest(rows: list[dict]) -> dict | None:
-    return next((r for r in rows if r["fits"]), None)
+    """The rung to recommend: the cheapest that fits without being tight; else the cheapest tight
+    one (its row says "tight": the caller warns); None when nothing fits."""
+    return (next((r for r in rows if r["fits"] and not r["tight"]), None)
+            or next((r for r in rows if r["fits"]), None))
 
 
 def launch_line(rung: Rung, req: Request, model_args: str) -> str:
@@ -773,15 +931,24 @@ def launch_line(rung: Rung, req: Request, model_args: str) -> str:
 
 
 def smallest_gpu_count(model, req: Request, rung: Rung) -> int | None:
-    """Fewest GPUs (> req.gpus, <= MAX_GPUS) with which `rung` fits; per-GPU bytes never grow with
-    the GPU count, so a bisection finds it. None when even MAX_GPUS is not enough (DDP never
-    shrinks; activations and logits never shrink: each GPU runs its own micro-batch)."""
+    """Fewest GPUs (> req.gpus, <= MAX_GPUS) with which `rung` fits. Per-GPU bytes never grow with
+    the GPU count, so a bisection finds it once the machines are full; below that, more GPUs put
+    more processes on one machine (host RAM grows), so those counts are tried one by one. None when
+    even MAX_GPUS is not enough (DDP never shrinks; activations and logits never shrink: each GPU
+    runs its own micro-batch)."""
     def fits(n):
         return any(r["fits"] for r in evaluate(model, dataclasses.replace(req, gpus=n)) if r["rung"].name == rung.name)
 
-    if rung.framework in ("single", "ddp") or not fits(MAX_GPUS):
+    if rung.framework in ("single", "ddp"):
         return None
-    lo, hi = req.gpus, MAX_GPUS  # fits(hi) holds, fits(lo) does not
+    full = max(req.gpus, req.gpus_per_node or 8)  # from here on, processes per machine stay the same
+    if req.host_memory_gb is not None:
+        found = next((n for n in range(req.gpus + 1, min(full, MAX_GPUS) + 1) if fits(n)), None)
+        if found:
+            return found
+    if not fits(MAX_GPUS):
+        return None
+    lo, hi = (full if req.host_memory_gb is not None else req.gpus), MAX_GPUS  # fits(hi) holds, fits(lo) not
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if fits(mid) else (mid, hi)
@@ -796,7 +963,9 @@ def more_gpus(model, req: Request, model_args: str, offload: bool = True) -> str
         return (f"  - more GPUs: no {'' if offload else 'non-offload '}config fits with up to {MAX_GPUS} GPUs "
                 "(activations and logits do not shrink with more GPUs: each GPU runs its own micro-batch)")
     n, _, rung = min(counts)
-    nodes = f" ({math.ceil(n / 8)} nodes of 8: add --num_machines/--machine_rank/--main_process_ip)" if n > 8 else ""
+    per = req.gpus_per_node or 8
+    nodes = (f" ({math.ceil(n / per)} nodes of {per}: add --num_machines/--machine_rank/--main_process_ip)"
+             if n > per else "")
     return (f"  - more GPUs: {n} x {req.gpu_memory_gb:g} GB with {rung.config}{nodes}\n"
             f"      {launch_line(rung, dataclasses.replace(req, gpus=n), model_args)}")
 
@@ -806,16 +975,28 @@ def advice(model, req: Request, model_args: str) -> list[str]:
     lines = []
     shape = model if isinstance(model, ModelShape) else None
 
+    def host_short(r: dict) -> str:
+        return (f"needs {r['host_per_node'] / GB:.1f} GB of CPU RAM per machine ({req.procs_per_node} x "
+                f"{max(r['host'], r['host_init']) / GB:.1f} GB), more than --host_memory_gb {req.host_memory_gb:g}")
+
     def report(what, new_req):
-        best = cheapest(evaluate(model, new_req))
+        rows = evaluate(model, new_req)
+        best = cheapest(rows)
         if best:
-            lines.append(f"  - {what}: {best['rung'].config} fits (peak {best['peak'] / GB:.1f} GB)")
+            tight = f", tight: above {TIGHT:.0%} of usable" if best["tight"] else ""
+            lines.append(f"  - {what}: {best['rung'].config} fits (peak {best['peak'] / GB:.1f} GB{tight})")
             lines.append(f"      {launch_line(best['rung'], new_req, model_args)}")
+        elif (gpu_only := next((r for r in rows if r["gpu_fits"]), None)):
+            lines.append(f"  - {what}: still does not fit ({gpu_only['rung'].config} would fit the GPU, peak "
+                         f"{gpu_only['peak'] / GB:.1f} GB, but {host_short(gpu_only)})")
         else:
             lines.append(f"  - {what}: still does not fit")
         return best
 
     lines.append(more_gpus(model, req, model_args))
+    if (gpu_only := next((r for r in evaluate(model, req) if r["gpu_fits"]), None)):
+        lines.append(f"  - more CPU RAM: {gpu_only['rung'].config} fits the GPUs (peak {gpu_only['peak'] / GB:.1f} GB) "
+                     f"with {gpu_only['host_per_node'] / GB:.1f} GB of CPU RAM per machine (--host_memory_gb)")
     if shape is None:
         lines.append("  - micro-batch / activation checkpointing: unknown without the model's shape")
         return lines
@@ -823,9 +1004,15 @@ def advice(model, req: Request, model_args: str) -> list[str]:
     off = [r for r in evaluate(model, req) if r["rung"].offload]
     best_off = min(off, key=lambda r: r["peak"])
     states = best_off["columns"]["params"] + best_off["columns"]["grads"] + best_off["columns"]["buffers"]
-    lines.append(f"  - offload alone ({best_off['rung'].config}): still {best_off['peak'] / GB:.1f} GB per GPU, "
-                 f"of which {(best_off['columns']['activations'] + best_off['columns']['logits']) / GB:.1f} GB "
-                 f"activations + logits and {states / GB:.1f} GB parameters/gradients in flight: does not fit")
+    if best_off["gpu_fits"]:  # then host RAM is what fails
+        lines.append(f"  - offload ({best_off['rung'].config}) fits the GPU (peak {best_off['peak'] / GB:.1f} GB) but "
+                     f"{host_short(best_off)}")
+    else:
+        host = f"; and it {host_short(best_off)}" if best_off["host_fits"] is False else ""
+        lines.append(f"  - offload alone ({best_off['rung'].config}): still {best_off['peak'] / GB:.1f} GB per GPU, "
+                     f"of which {(best_off['columns']['activations'] + best_off['columns']['logits']) / GB:.1f} GB "
+                     f"activations + logits and {states / GB:.1f} GB parameters/gradients in flight: does not fit"
+                     f"{host}")
     ac_works = not req.activation_checkpointing and report("activation checkpointing",
                                                               dataclasses.replace(req, activation_checkpointing=True))
 
@@ -845,7 +1032,7 @@ def advice(model, req: Request, model_args: str) -> list[str]:
         if (micro := largest_micro(both)):
             report(f"activation checkpointing + micro_batch_size {micro}", dataclasses.replace(both, micro_batch_size=micro))
         else:
-            lines.append("  - activation checkpointing + micro_batch_size 1: still does not fit")
+            report("activation checkpointing + micro_batch_size 1", dataclasses.replace(both, micro_batch_size=1))
     return lines
 
 
@@ -866,6 +1053,11 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--model_name_or_path", help="local folder with a Hugging Face config.json (nothing is downloaded)")
     m.add_argument("--params", type=float, help="parameter count only (e.g. 7e9): model states only")
     p.add_argument("--gpus", type=int, default=1, help="GPUs (processes), default 1")
+    p.add_argument("--gpus_per_node", type=int, help="GPUs per machine, for the host RAM check (processes per "
+                                                      "machine: min(--gpus, this)); default 8")
+    p.add_argument("--host_memory_gb", type=float,
+                   help="CPU RAM per machine, GB; checked against every process's CPU RAM (offload, and the fp32 "
+                        "model each process builds on the CPU). Default: not checked")
     p.add_argument("--gpu_memory_gb", type=float, default=80.0, help="memory per GPU, GB (1e9 bytes), default 80")
     p.add_argument("--reserve_gb", type=float, default=2.0,
                    help="left out of each GPU for the CUDA context, NCCL buffers and fragmentation, default 2")
@@ -878,6 +1070,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check(args) -> None:
+    for name in ("gpu_memory_gb", "reserve_gb", "params", "host_memory_gb"):
+        value = getattr(args, name)
+        if value is not None and not math.isfinite(value):
+            raise PlanError(f"--{name} must be a finite number, got {value:g}")
     if args.gpus <= 0:
         raise PlanError(f"--gpus must be a positive number of GPUs, got {args.gpus}")
     if not args.gpu_memory_gb > 0:
@@ -888,6 +1084,10 @@ def _check(args) -> None:
         raise PlanError("--seq_len and --micro_batch_size must be positive")
     if args.params is not None and not args.params >= 1:
         raise PlanError(f"--params must be a positive parameter count, got {args.params:g}")
+    if args.gpus_per_node is not None and args.gpus_per_node <= 0:
+        raise PlanError(f"--gpus_per_node must be a positive number of GPUs, got {args.gpus_per_node}")
+    if args.host_memory_gb is not None and not args.host_memory_gb > 0:
+        raise PlanError(f"--host_memory_gb must be positive, got {args.host_memory_gb:g}")
 
 
 def _count(n: float) -> str:
@@ -898,12 +1098,37 @@ def _gb(x: float) -> str:
     return f"{x / GB:7.2f}" if x >= 0.995e9 or x == 0 else f"{x / GB:7.3f}"
 
 
+MEASURED_GAPS = ("measured on CPU (benchmarks/results/memory-2026-11-30: 113.7M parameters, 2 ranks, bf16), "
+                 "the peak was ABOVE the plan under DeepSpeed (ZeRO-1 +6%, ZeRO-2 +8%, ZeRO-3 +22%, ZeRO-3 offload "
+                 "+23%) and 10-14% below it under DDP and FSDP2")
+
+
+def _fits_word(row: dict) -> str:
+    if row["fits"]:
+        return "tight" if row["tight"] else "yes"
+    return "no" if not row["gpu_fits"] else "no (host RAM)"
+
+
+def _vocab_note(shape: ModelShape) -> str | None:
+    """Presets use the byte tokenizer: say so, since a real model's vocabulary costs much more."""
+    if shape.preset is None:
+        return None
+    real = (" (a real Llama-3-8B config has a 128,256-token vocabulary: 8.03B parameters, and logits "
+            "~500x larger per token)" if shape.preset == "8b" else "")
+    return (f"Vocabulary: {shape.vocab} tokens, the byte tokenizer of the presets{real}. A real tokenizer "
+            "adds embedding/LM-head parameters and much larger logits: for a real model pass "
+            "--model_name_or_path <local folder with its config.json>.")
+
+
 def render(model, req: Request, rows: list[dict], model_args: str) -> str:
     shape = model if isinstance(model, ModelShape) else None
     out = []
     if shape:
         out.append(f"Memory plan for {shape.name}: {_count(shape.n_params)} parameters ({shape.layers} blocks of "
-                   f"{_count(shape.block_params)}, hidden {shape.hidden}, vocab {shape.vocab})")
+                   f"{_count(shape.block_params)}, hidden {shape.hidden}, vocab {shape.vocab}"
+                   f"{', tied embeddings' if shape.tied else ''})")
+        if (note := _vocab_note(shape)):
+            out.append(note)
     else:
         out.append(f"Memory plan for {_count(float(model))} parameters (no shape: model states only)")
     out.append(f"{req.gpus} x {req.gpu_memory_gb:g} GB GPUs ({req.usable / GB:g} GB usable each: {req.reserve_gb:g} GB "
@@ -911,7 +1136,10 @@ def render(model, req: Request, rows: list[dict], model_args: str) -> str:
                f"micro_batch_size {req.micro_batch_size}, activation checkpointing "
                f"{'on' if req.activation_checkpointing else 'off'}")
     if req.textbook:
-        out.append("Model states: ZeRO paper (fp16 mixed precision, Adam, K=12), not what the frameworks keep here.")
+        out.append("Model states: ZeRO paper (fp16 mixed precision, Adam, K=12), not what the frameworks keep here. "
+                   "FSDP2 rows are analogies (the paper has no FSDP): no reshard ~ ZeRO-2 (2 + 14/W: every "
+                   "parameter gathered from forward to backward), full shard ~ ZeRO-3 (16/W); FSDP2 here keeps "
+                   "12/W between steps and +4/W gradients. Offload rows: ZeRO-3's 16/W in CPU RAM.")
     if shape:
         probes = {regime_of(r["rung"], req.precision) for r in rows}
         secs = sum(probe_block(shape.dims, g, min(req.seq_len, PROBE_TOKENS))["seconds"] for g in probes)
@@ -922,26 +1150,58 @@ def render(model, req: Request, rows: list[dict], model_args: str) -> str:
         out.append("WARNING: --params gives no shape: activations, logits, buckets and parameters in flight are "
                    "UNKNOWN; 'fits' below judges model states alone and will be optimistic.")
     out.append("")
-    out.append("Per GPU, GB (1 GB = 1e9 bytes). rest = between steps; peak = the columns params..logits "
-               "(after backward, + in flight, + activations).")
+    out.append("Per GPU, GB (1 GB = 1e9 bytes). rest = between steps. peak = the largest of: forward/backward "
+               "(= params + grads + optim + buffers + activ + logits), inside optimizer.step() (*), initialisation (^).")
+    out.append("  params: parameters + those in flight (all-gathered / fetched) + autocast's weight copies; grads: "
+               "gradients + backward buffers;")
+    out.append("  activ: what the blocks keep for backward + one block's backward transient (+ the recomputed block "
+               "with checkpointing);")
+    out.append("  logits: what embedding / final norm / LM head / fp32 cross-entropy keep + the logits' gradient "
+               "during the head's backward;")
+    out.append("  host: CPU RAM per process after backward (offload); h.init: CPU RAM per process while the run "
+               "starts (the fp32 model built on the CPU).")
+    out.append(f"  fits: yes; tight = fits, peak above {TIGHT:.0%} of usable; no; no (host RAM) = fits the GPU, "
+               "not --host_memory_gb.")
     head = (f"   {'rung':<18}{'config':<29}{'rest':>7} |{'params':>7} {'grads':>7} {'optim':>7} {'buffers':>7} "
-            f"{'activ':>7} {'logits':>7} |{'peak':>7} {'host':>7}  fits")
+            f"{'activ':>7} {'logits':>7} |{'peak':>7} {'host':>7} {'h.init':>7}  fits")
     out.append(head)
     for i, r in enumerate(rows, 1):
         c = r["columns"]
-        star = "*" if r["peak_in_step"] else " "
+        mark = {"optimizer_step": "*", "init": "^"}.get(r["peak_at"], " ")
         out.append(f"{i:>2} {r['rung'].label:<18}{r['rung'].config:<29}{_gb(r['rest'])} |{_gb(c['params'])} "
                    f"{_gb(c['grads'])} {_gb(c['optimizer'])} {_gb(c['buffers'])} {_gb(c['activations'])} "
-                   f"{_gb(c['logits'])} |{_gb(r['peak'])}{star}{_gb(r['host'])}  {'yes' if r['fits'] else 'no'}")
-    if any(r["peak_in_step"] for r in rows):
+                   f"{_gb(c['logits'])} |{_gb(r['peak'])}{mark}{_gb(r['host'])} {_gb(r['host_init'])}  "
+                   f"{_fits_word(r)}")
+    if any(r["peak_at"] == "optimizer_step" for r in rows):
         out.append("* peak inside optimizer.step() (its temporary fp32 gradient copies), not in forward/backward")
-    if any(r["host"] for r in rows):
-        out.append(f"host = CPU RAM per GPU process (x {req.gpus} per machine with {req.gpus} GPUs); not checked")
+    if any(r["peak_at"] == "init" for r in rows):
+        out.append("^ peak while the run starts (the framework's states + its temporary buffers), not in training")
+    procs = req.procs_per_node
+    if req.host_memory_gb is None:
+        out.append(f"host RAM not checked (pass --host_memory_gb): a machine needs max(host, h.init) x {procs} "
+                   f"process{'es' if procs > 1 else ''}, plus the OS, CUDA contexts and data loaders")
+    else:
+        out.append(f"host RAM checked: max(host, h.init) x {procs} process{'es' if procs > 1 else ''} per machine "
+                   f"<= {req.host_memory_gb:g} GB (--host_memory_gb; the OS, CUDA contexts and data loaders "
+                   "are not counted)")
+    if not req.textbook:
+        out.append(f"Not an upper bound: {MEASURED_GAPS}; see the module docstring for what is and is not modelled.")
     out.append("")
     best = cheapest(rows)
     if best:
-        out.append(f"fits: {best['rung'].config} ({best['rung'].label}) is the cheapest config that fits: peak "
-                   f"{best['peak'] / GB:.1f} of {req.usable / GB:g} GB usable per GPU")
+        tight_cheaper = [r for r in rows[:rows.index(best)] if r["fits"]]
+        if tight_cheaper:
+            out.append(f"Cheaper but tight (peak above {TIGHT:.0%} of usable): " + ", ".join(
+                f"{r['rung'].config} ({r['peak'] / GB:.1f} GB)" for r in tight_cheaper)
+                + "; recommended the cheapest with headroom:")
+        if best["tight"]:
+            out.append(f"WARNING: only tight configs fit: the peak leaves less than {1 - TIGHT:.0%} of usable memory "
+                       "for what the plan does not model (allocator fragmentation; under DeepSpeed the measured "
+                       "peak was up to 23% above the plan). Consider activation checkpointing, a smaller "
+                       "micro-batch or more GPUs.")
+        out.append(f"fits: {best['rung'].config} ({best['rung'].label}) is the cheapest config that fits"
+                   f"{' (tight)' if best['tight'] else ''}: peak {best['peak'] / GB:.1f} of {req.usable / GB:g} GB "
+                   "usable per GPU")
         out.append(f"  {launch_line(best['rung'], req, model_args)}")
         if not shape:
             out.append("  (judged on model states only: add the shape with --preset or --model_name_or_path)")
@@ -963,7 +1223,8 @@ def main(argv: list[str] | None = None) -> int:
         req = Request(gpus=args.gpus, gpu_memory_gb=args.gpu_memory_gb, precision=args.precision,
                       seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
                       activation_checkpointing=args.activation_checkpointing, textbook=args.textbook,
-                      reserve_gb=args.reserve_gb)
+                      reserve_gb=args.reserve_gb, host_memory_gb=args.host_memory_gb,
+                      gpus_per_node=args.gpus_per_node)
         if args.params is not None:
             model, model_args = args.params, "--model_name_or_path <MODEL>"
         else:

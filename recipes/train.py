@@ -128,7 +128,6 @@ def main(argv=None):
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler
     )
-    memory_points["after_prepare"] = metrics.memory_in_use(accelerator.device)
 
     summary = {
         "recipe": "train.py",

@@ -118,10 +118,11 @@ def baseline_run(tmp_path_factory, hf_home):
     return Run(out, launch("bf16_baseline.py", args, hf_home, config="single_gpu.yaml"))
 
 
-def launch_two_processes(recipe: str, config: str, args: list[str], hf_home: Path, **kwargs):
+def launch_two_processes(recipe: str, config: str, args: list[str], hf_home: Path, extra_launch_args=(), **kwargs):
     """`accelerate launch` with 2 CPU processes; env overrides merge over the config's own."""
     env = {**TWO_CPU_PROCESSES[config], **kwargs.pop("env", {})}
-    return launch(recipe, args, hf_home, config=config, launch_args=TWO_PROCESS_LAUNCH, env=env, **kwargs)
+    return launch(recipe, args, hf_home, config=config, launch_args=TWO_PROCESS_LAUNCH + list(extra_launch_args),
+                  env=env, **kwargs)
 
 
 # Checks shared by the 1-process and the 2-process end-to-end tests.

@@ -270,14 +270,14 @@ def run_cli(capsys, *args):
 
 
 def table(out):
-    """The printed rows by config file: {config: (rest, [params .. logits], peak, host, fits)}."""
+    """The printed rows by config file: {config: (rest, [params .. logits], peak, host, host at init, fits)}."""
     rows = {}
     for line in out.splitlines():
         if line.count("|") == 2 and line.split()[0].isdigit():
             left, middle, right = line.split("|")
-            right = right.replace("*", " ").split()
+            right = right.replace("*", " ").replace("^", " ").split(None, 3)
             rows[left.split()[-2]] = (float(left.split()[-1]), [float(x) for x in middle.split()],
-                                      float(right[0]), float(right[1]), right[2])
+                                      float(right[0]), float(right[1]), float(right[2]), right[3])
     return rows
 
 
@@ -298,7 +298,15 @@ def test_8b_on_8x80gb_seq_4096(capsys):
     # backward + ~27 GB of activations at 4096 tokens = 63 GB: fits in 78.
     rows = table(out)
     assert len(rows) == 8 and rows["ddp.yaml"][-1] == "no" and rows["deepspeed_zero1.yaml"][-1] == "yes"
-    assert all(sum(cols) == pytest.approx(peak, abs=0.05) for _, cols, peak, _, _ in rows.values())
+    assert all(sum(cols) == pytest.approx(peak, abs=0.05) for _, cols, peak, _, _, _ in rows.values())
+    # Each process builds the fp32 model on the CPU (4 bytes/parameter), except under zero.Init.
+    assert rows["ddp.yaml"][4] == rows["fsdp.yaml"][4] == pytest.approx(4 * 6.98, abs=0.05)
+    assert rows["deepspeed_zero3.yaml"][4] == 0
+    assert "host RAM not checked (pass --host_memory_gb)" in out
+    # The preset's byte vocabulary is named, with the way to plan a real model.
+    assert "259 tokens, the byte tokenizer of the presets" in out and "128,256-token vocabulary" in out
+    assert "--model_name_or_path <local folder with its config.json>" in out
+    assert "Not an upper bound" in out and "ZeRO-3 +22%" in out
     assert ("accelerate launch --config_file accelerate_configs/deepspeed_zero1.yaml --num_processes 8 "
             "recipes/train.py --preset 8b --seq_len 4096 --micro_batch_size 1") in out
     shape = plan.model_shape("8b")
@@ -336,6 +344,8 @@ def test_more_gpus_named_when_they_help(capsys):
 def test_textbook_cli(capsys):
     code, out, _ = run_cli(capsys, "--params", "7e9", "--gpus", "8", "--gpu_memory_gb", "80", "--textbook")
     assert code == 0 and "ZeRO paper" in out
+    # FSDP2's textbook rows are an analogy, and the output says so.
+    assert "FSDP2 rows are analogies" in out and "no reshard ~ ZeRO-2" in out
     peaks = {config: row[2] for config, row in table(out).items()}
     assert peaks["ddp.yaml"] == 112 and peaks["deepspeed_zero1.yaml"] == 38.5
     assert peaks["deepspeed_zero2.yaml"] == 26.25 and peaks["deepspeed_zero3.yaml"] == 14
@@ -363,6 +373,7 @@ def test_model_folder(tmp_path, capsys):
         assert code == 0 and f"--model_name_or_path {folder} --seq_len 128" in out
         assert ("Llama decoder block" if name == "llama" else "Llama-shaped decoder block") in out
         assert plan.model_shape(None, str(folder)).vocab == 1000
+        assert "byte tokenizer" not in out  # a real config's vocabulary: no preset note
 
 
 @pytest.mark.parametrize("args, message", [
@@ -375,6 +386,17 @@ def test_model_folder(tmp_path, capsys):
     (["--params", "0"], "error: --params must be a positive parameter count, got 0"),
     (["--preset", "tiny", "--params", "7e9"], "error: argument --params: not allowed with argument --preset"),
     (["--gpus", "two"], "error: argument --gpus: invalid int value: 'two'"),
+    (["--gpus", "inf"], "error: argument --gpus: invalid int value: 'inf'"),
+    (["--params", "inf", "--gpus", "8"], "error: --params must be a finite number, got inf"),
+    (["--params", "nan"], "error: --params must be a finite number, got nan"),
+    (["--gpu_memory_gb", "inf"], "error: --gpu_memory_gb must be a finite number, got inf"),
+    (["--gpu_memory_gb", "nan"], "error: --gpu_memory_gb must be a finite number, got nan"),
+    (["--reserve_gb", "nan"], "error: --reserve_gb must be a finite number, got nan"),
+    (["--reserve_gb=-inf"], "error: --reserve_gb must be a finite number, got -inf"),
+    (["--host_memory_gb", "inf"], "error: --host_memory_gb must be a finite number, got inf"),
+    (["--host_memory_gb", "nan"], "error: --host_memory_gb must be a finite number, got nan"),
+    (["--host_memory_gb", "0"], "error: --host_memory_gb must be positive, got 0"),
+    (["--gpus_per_node", "0"], "error: --gpus_per_node must be a positive number of GPUs, got 0"),
     (["--no_such_option"], "error: unrecognized arguments: --no_such_option"),
 ])
 def test_bad_input_one_error_line(capsys, args, message):
@@ -388,3 +410,181 @@ def test_model_folder_without_config(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
     code, _, err = run_cli(capsys, "--model_name_or_path", str(tmp_path))
     assert code == 2 and err.startswith("error: cannot read") and err.count("\n") == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Initialisation, host RAM, "tight", the logits column, tied embeddings
+# ---------------------------------------------------------------------------------------------
+
+def test_init_terms_read_from_deepspeed():
+    """The "setup" moment of initialisation: the states that exist at the end of accelerator.prepare
+    (not Adam's: created at the first step) + the temporary buffers DeepSpeed allocates there."""
+    shape = plan.model_shape("8b")
+    n = shape.n_params
+    one = plan.model_state_bytes("zero1", n, W, "bf16", shape)
+    # bf16 flat parameters + fp32 master partition + zero fp32 gradient of it (stage_1_and_2.py:934-951).
+    assert one["at_init"]["device"]["total"] == pytest.approx(2 * n + 4 * n / W + 4 * n / W)
+    assert one["at_init"]["host"]["total"] == pytest.approx(4 * n)  # the fp32 model built on the CPU
+    three = plan.model_state_bytes("zero3", n, W, "bf16", shape)
+    persistent = next(t["bytes"] for t in three["terms"] if t["name"].startswith("persistent"))
+    # bf16 partitions + fp32 master + the fp32 gradient buffer of the largest sub-group (stage3.py:1301-1306,
+    # sub_group_size 1e9 elements > the partition here); zero.Init: no whole model on the CPU.
+    assert three["at_init"]["device"]["total"] == pytest.approx(2 * n / W + 4 * n / W + 4 * n / W + persistent)
+    assert three["at_init"]["host"]["total"] == 0
+    offload = plan.model_state_bytes("zero3_offload", n, W, "bf16", shape)
+    # In CPU RAM: bf16 partitions + fp32 master + the pinned fp32 gradients + the init gradient buffer.
+    assert offload["at_init"]["host"]["total"] == pytest.approx((2 + 4 + 4 + 4) * n / W)
+    big = plan.model_state_bytes("zero3", 1e12, 8, "bf16", shape)  # a partition larger than a sub-group
+    init = next(t for t in big["terms"] if t["when"] == "init")
+    assert init["bytes"] == 4 * 1e9 and init["moment"] == "setup" and "stage3.py:1301" in init["source"]
+    for states in (one, three, offload):
+        assert any(t["when"] == "init" and t["moment"] == "setup" for t in states["terms"])
+        assert all(t["moment"] in plan.INIT_MOMENTS for t in states["terms"] if t["when"] == "init")
+        assert set(states["transient"]) == set(plan.TRANSIENTS)
+    assert plan.textbook_bytes("zero3", P, W)["at_init"]["device"]["total"] == 0
+    # The init terms leave the training transients as they were: ZeRO-3's step copies its gradient
+    # partition to fp32 on the GPU; with offload the CPU optimizer steps on the pinned fp32 buffer.
+    assert three["transient"]["optimizer_step"] == pytest.approx((2 + 4) * n / W)
+    assert offload["transient"]["optimizer_step"] == 0
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_init_candidate_stays_below_training(precision):
+    """What the docstring says: read from the code, the init buffers are freed before Adam's states and
+    the gradient buffers exist, so the init candidate never exceeds the model states of training."""
+    for shape in (plan.model_shape("8b"), plan.model_shape("tiny"), None):
+        n = shape.n_params if shape else P
+        for rung in (plan.SINGLE,) + plan.LADDER:
+            for gpus in (1, 2, 8, 64):
+                s = plan.model_state_bytes(rung, n, gpus, precision, shape)
+                training = s["at_step"]["device"]["total"] + s["transient"]["in_flight"] + s["transient"]["backward"]
+                assert s["at_init"]["device"]["total"] <= training, (rung.name, gpus)
+
+
+def test_init_peak_is_a_candidate():
+    rows = plan.evaluate(P, plan.Request(gpus=8))
+    for r in rows:
+        assert set(r["candidates"]) == {"forward_backward", "optimizer_step", "init"}
+        assert r["peak"] == max(r["candidates"].values()) == r["candidates"][r["peak_at"]]
+        assert r["peak_in_step"] == (r["peak_at"] == "optimizer_step")
+        assert r["candidates"]["init"] == r["states"]["at_init"]["device"]["total"]
+
+
+def test_host_ram_is_checked(capsys):
+    """Offload keeps the model states in CPU RAM, and every process builds the fp32 model there:
+    7B on 8 GPUs, FSDP2 + offload: max(16/8 x 7e9, 4 x 7e9) = 28 GB per process, 224 GB per machine."""
+    code, out, _ = run_cli(capsys, "--params", "7e9", "--gpus", "8", "--host_memory_gb", "200")
+    assert code == 0
+    rows = table(out)
+    assert rows["fsdp_offload.yaml"][3:] == (14.0, 28.0, "no (host RAM)")
+    assert rows["fsdp.yaml"][5] == "no (host RAM)"  # 8 x 28 GB of fp32 models at start-up
+    assert rows["deepspeed_zero3.yaml"][4] == 0 and rows["deepspeed_zero3.yaml"][5] == "yes"  # zero.Init
+    # ZeRO-3 + offload: (2 + 4 + 8 + 2 + 4) / 8 x 7e9 = 17.5 GB per process, 140 GB per machine: fits.
+    assert rows["deepspeed_zero3_offload.yaml"][3] == 17.5 and rows["deepspeed_zero3_offload.yaml"][5] == "yes"
+    assert "host RAM checked: max(host, h.init) x 8 processes per machine <= 200 GB" in out
+    evaluated = {r["rung"].name: r for r in plan.evaluate(7e9, plan.Request(gpus=8, host_memory_gb=200))}
+    assert evaluated["fsdp_offload"]["host_per_node"] == pytest.approx(8 * 28 * GB)
+    assert evaluated["fsdp_offload"]["gpu_fits"] and evaluated["fsdp_offload"]["host_fits"] is False
+    assert evaluated["fsdp_offload"]["fits"] is False
+    # Unchecked by default: fits judges the GPU alone, host_fits is None.
+    unchecked = {r["rung"].name: r for r in plan.evaluate(7e9, plan.Request(gpus=8))}
+    assert unchecked["fsdp_offload"]["fits"] is True and unchecked["fsdp_offload"]["host_fits"] is None
+    # Processes per machine: min(gpus, gpus_per_node), default 8.
+    assert plan.Request(gpus=16).procs_per_node == 8 and plan.Request(gpus=2).procs_per_node == 2
+    split = {r["rung"].name: r for r in plan.evaluate(7e9, plan.Request(gpus=16, gpus_per_node=4, host_memory_gb=200))}
+    assert split["fsdp_offload"]["host_per_node"] == pytest.approx(4 * 28 * GB) and split["fsdp_offload"]["fits"]
+
+
+def test_host_ram_limits_the_offload_advice(capsys):
+    """1 x 16 GB GPU, 64 GB of CPU RAM: FSDP2 + offload would fit the GPU with checkpointing, but
+    keeps 16 x 6.98e9 = 112 GB in CPU RAM: the advice says so instead of recommending it."""
+    code, out, _ = run_cli(capsys, "--params", "6.98e9", "--gpus", "1", "--gpu_memory_gb", "16",
+                           "--host_memory_gb", "64")
+    assert code == 0 and out.splitlines()[-1].startswith("nothing fits:")
+    assert table(out)["fsdp_offload.yaml"][5] == "no (host RAM)"
+    assert "more CPU RAM: fsdp_offload.yaml fits the GPUs (peak 0.0 GB) with 111.7 GB of CPU RAM per machine" in out
+
+
+def test_more_gpus_respects_host_ram():
+    """FSDP2 builds the fp32 model in every process: more GPUs per machine need more CPU RAM, so the
+    search cannot bisect below a full machine. 7B fp32 on 24 GB GPUs, 150 GB of CPU RAM: FSDP2 fits
+    the GPU from 6 GPUs (16 B/param / N) but needs 6 x 28 GB; ZeRO-3 (zero.Init, nothing in CPU RAM)
+    from 8 GPUs (20 B/param / N in fp32 + its 4 B/param / N fp32 gradient copy inside step())."""
+    req = plan.Request(gpus=2, gpu_memory_gb=24, precision="fp32", host_memory_gb=150)
+    assert plan.smallest_gpu_count(7e9, req, plan.get_rung("fsdp")) is None
+    assert plan.smallest_gpu_count(7e9, req, plan.get_rung("zero3")) == 8
+    assert "8 x 24 GB with deepspeed_zero3.yaml" in plan.more_gpus(7e9, req, "--preset 8b", offload=False)
+    # Machines of 4 GPUs: 4 x 28 GB per machine, FSDP2 fits from 6 GPUs (2 machines).
+    four = plan.Request(gpus=2, gpu_memory_gb=24, precision="fp32", host_memory_gb=150, gpus_per_node=4)
+    assert plan.smallest_gpu_count(7e9, four, plan.get_rung("fsdp")) == 6
+    assert "6 x 24 GB with fsdp_shard_grad_op.yaml (2 nodes of 4" in plan.more_gpus(7e9, four, "--preset 8b",
+                                                                                  offload=False)
+
+
+def test_tight_is_marked_and_avoided(capsys):
+    """7B on 8 GPUs, model states only: ZeRO-1/2 peak at 31.5 GB (the step's fp32 gradient copy),
+    FSDP2 at 14 GB. With 34 GB usable ZeRO-1/2 are tight (31.5/34 = 93%): FSDP2 is recommended."""
+    code, out, _ = run_cli(capsys, "--params", "7e9", "--gpus", "8", "--gpu_memory_gb", "36")
+    assert code == 0
+    rows = table(out)
+    assert rows["deepspeed_zero1.yaml"][2] == 31.5 and rows["deepspeed_zero1.yaml"][5] == "tight"
+    assert rows["fsdp_shard_grad_op.yaml"][5] == "yes" and rows["ddp.yaml"][5] == "no"
+    assert "Cheaper but tight (peak above 90% of usable): deepspeed_zero1.yaml (31.5 GB)" in out
+    assert "fits: fsdp_shard_grad_op.yaml (FSDP2 no reshard) is the cheapest config that fits: peak 14.0" in out
+    evaluated = plan.evaluate(7e9, plan.Request(gpus=8, gpu_memory_gb=36))
+    zero1 = next(r for r in evaluated if r["rung"].name == "zero1")
+    assert zero1["fits"] is True and zero1["tight"] is True  # fits stays a bool
+    assert plan.cheapest(evaluated)["rung"].name == "fsdp_shard_grad_op"
+
+
+def test_only_tight_fits_warns(capsys):
+    """1e9 parameters on one 19 GB GPU (17 usable): the single GPU's 16 GB is tight, so is FSDP2's;
+    offload would fit but its 16-20 GB of CPU RAM exceed 10 GB: the cheapest tight one, with a warning."""
+    code, out, _ = run_cli(capsys, "--params", "1e9", "--gpus", "1", "--gpu_memory_gb", "19", "--host_memory_gb", "10")
+    assert code == 0
+    rows = table(out)
+    assert rows["single_gpu.yaml"][5] == "tight" and rows["fsdp_offload.yaml"][5] == "no (host RAM)"
+    assert "WARNING: only tight configs fit" in out
+    assert "fits: single_gpu.yaml (single GPU) is the cheapest config that fits (tight): peak 16.0 of 17 GB" in out
+
+
+def save_config(folder, **kwargs):
+    from transformers import LlamaConfig
+
+    config = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512) | kwargs
+    LlamaConfig(**config).save_pretrained(folder)
+    return str(folder)
+
+
+def test_head_backward_is_in_the_logits_column(tmp_path):
+    """A large vocabulary: the logits' fp32 gradient (tokens x vocab x 4 bytes) appears during the
+    head's backward; it belongs to the "logits" column, not to "activ"."""
+    vocab, seq, micro = 16000, 128, 2
+    shape = plan.model_shape(None, save_config(tmp_path / "big_vocab", vocab_size=vocab))
+    for r in plan.evaluate(shape, plan.Request(gpus=2, seq_len=seq, micro_batch_size=micro)):
+        act, cols = r["activations"], r["columns"]
+        assert act["backward"] == pytest.approx(act["backward_block"] + act["backward_head"])
+        assert cols["activations"] == pytest.approx(act["activations"] + act["backward_block"])
+        assert cols["logits"] == pytest.approx(act["logits"] + act["backward_head"])
+        assert 4 * seq * micro * vocab <= act["backward_head"] <= 12 * seq * micro * vocab, act["backward_head"]
+        assert cols["activations"] < act["backward_head"]  # hidden 64: the blocks are small next to it
+        assert r["peak"] >= sum(cols.values()) - 1
+
+
+def test_tied_embeddings_stay_gathered_in_the_tail(tmp_path, capsys):
+    """tie_word_embeddings: accelerate puts the shared embedding/lm_head into the tail unit, never
+    resharded after forward (accelerate/utils/fsdp_utils.py:873-874): FSDP2 holds it in flight."""
+    hidden, vocab = 64, 1000
+    tied = plan.model_shape(None, save_config(tmp_path / "tied", tie_word_embeddings=True))
+    untied = plan.model_shape(None, save_config(tmp_path / "untied", tie_word_embeddings=False))
+    assert tied.tied and not untied.tied
+    assert untied.n_params - tied.n_params == vocab * hidden  # one weight fewer
+    assert tied.tail_params == untied.tail_params == vocab * hidden + hidden  # final norm + the embedding/lm_head
+    for shape in (tied, untied):
+        states = plan.model_state_bytes("fsdp", shape.n_params, 8, "bf16", shape)
+        in_flight = next(t for t in states["terms"] if t["when"] == "in_flight")
+        assert in_flight["bytes"] == 2 * (2 * shape.block_params + vocab * hidden + hidden)
+        assert ("tied embedding/lm_head]" in in_flight["name"]) == shape.tied
+    code, out, _ = run_cli(capsys, "--model_name_or_path", str(tmp_path / "tied"), "--seq_len", "64")
+    assert code == 0 and "tied embeddings" in out.splitlines()[0]
