@@ -14,8 +14,9 @@ Who sends the signal, and to whom (accelerate 1.15 / torch 2.13, FACTS.md):
   kills the launcher (SIGTERM to the 1-process launcher, SIGUSR1 to torchelastic without the setting
   above) would leave the workers running as orphans. So each worker asks Linux for SIGTERM when its
   parent dies (prctl PR_SET_PDEATHSIG): the orphan then saves and stops like a signalled worker.
-  Inside a container that does not help (when PID 1 exits, everything is killed at once): run
-  `tini -g` as PID 1 so the signal goes to the whole process group.
+  Inside a container that does not help (when PID 1 exits, everything is killed at once), and
+  `tini -g` alone exits with a 1-process launcher: the image runs `tini -g` with
+  scripts/docker/entrypoint.sh, which waits until the signalled workers have saved.
 
 Every rank must stop after the same step, but each learns of the signal on its own, at a different
 moment. So each rank's "stop" vote rides along with the step's loss all-reduce (no extra

@@ -1,0 +1,55 @@
+"""Two "nodes" on one machine: two `accelerate launch` commands with the multi-node template
+(`--num_machines 2`, machine ranks 0 and 1, rendezvous on 127.0.0.1), one CPU process each over
+gloo, sharing one output folder as nodes share a filesystem. They must train as one 2-rank job:
+the same losses and samples as the 2-process single-node run of the same command."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+
+from common import checkpoint
+from conftest import ACCELERATE, ROOT, TWO_RANK_ARGS, Run, launch_env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_train_like_one_node_with_two_processes(tmp_path, hf_home, two_process_runs):
+    out = tmp_path / "shared_output"
+    port = str(free_port())
+    args = TWO_RANK_ARGS + ["--save_every", "30", "--log_sample_ids", "--output_dir", str(out)]  # as the fixture
+    env = {**launch_env(hf_home), "ACCELERATE_USE_CPU": "true"}
+    nodes = []
+    for machine_rank in (0, 1):
+        cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "accelerate_configs" / "multi_node_ddp.yaml"),
+               "--num_machines", "2", "--machine_rank", str(machine_rank), "--num_processes", "2",
+               "--main_process_ip", "127.0.0.1", "--main_process_port", port,
+               "--num_cpu_threads_per_process", "1", "--mixed_precision", "no", str(ROOT / "recipes" / "train.py"),
+               *args]
+        nodes.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    try:
+        results = [node.communicate(timeout=600) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    for node, (stdout, stderr) in zip(nodes, results):
+        assert node.returncode == 0, stdout[-2000:] + stderr[-4000:]
+
+    multi_node, single_node = Run(out, None).summary, two_process_runs("train.py/ddp.yaml").summary
+    assert multi_node["setup"]["distributed_type"] == "MULTI_CPU"
+    assert multi_node["setup"]["world_size"] == 2
+    assert [r["rank"] for r in multi_node["parameters_per_rank"]] == [0, 1]
+    assert multi_node["losses"] == single_node["losses"]  # every step's loss, lr and grad norm, bitwise
+    assert multi_node["sample_ids_per_rank"] == single_node["sample_ids_per_rank"]
+    assert multi_node["eval"] == single_node["eval"]
+    # the checkpoints both nodes wrote into the shared folder are complete (every file, its size),
+    # with each rank's RNG state
+    for step in (30, 60):
+        meta = checkpoint.verify(out / "checkpoints" / f"step_{step}")
+        assert meta["step"] == step and meta["setup"]["world_size"] == 2
+        assert {"random_states_0.pkl", "random_states_1.pkl"} <= set(meta["files"])
