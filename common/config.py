@@ -220,6 +220,13 @@ def _is_collective_failure(err: BaseException) -> bool:
                                       "broken pipe"))
 
 
+def _say(line: str) -> None:
+    """Write one line to stderr in ONE write: every rank shares the launcher's stderr, and print()
+    writes the newline separately, so two ranks' lines could run together (seen in a test log)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def run_cli(main, argv: list[str] | None = None) -> int:
     """Run a recipe's main(): bad input becomes one line on stderr and exit code 2, a training
     failure exit code 3, a failed collective (a lost rank) exit code 4, preemption exit code 75."""
@@ -228,13 +235,13 @@ def run_cli(main, argv: list[str] | None = None) -> int:
     try:
         main(argv)
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        _say(f"error: {err}")
         return 2
     except TrainingError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        _say(f"error: {err}")
         return 3
     except Preempted as err:
-        print(f"stopped: {err}", file=sys.stderr, flush=True)
+        _say(f"stopped: {err}")
         return PREEMPTED_EXIT_CODE
     except Exception as err:
         if not _is_collective_failure(err):
@@ -244,9 +251,8 @@ def run_cli(main, argv: list[str] | None = None) -> int:
         rank = dist.get_rank() if dist.is_initialized() else "?"
         traceback.print_exc()  # where it failed; our one line follows
         # (starts a line of its own: the failure can strike with the progress bar mid-line)
-        print(f"\nerror: rank {rank}: a collective failed ({one_line(err)}): another rank died "
-              "or stopped responding (see the first error above, or --collective_timeout); stopping",
-              file=sys.stderr, flush=True)
+        _say(f"\nerror: rank {rank}: a collective failed ({one_line(err)}): another rank died "
+             "or stopped responding (see the first error above, or --collective_timeout); stopping")
         # Skip the interpreter's teardown: destroying a process group whose peer is gone can hang.
         os._exit(COLLECTIVE_FAILURE_EXIT_CODE)
     finally:
