@@ -1,7 +1,8 @@
 """Two "nodes" on one machine: two `accelerate launch` commands with the multi-node template
 (`--num_machines 2`, machine ranks 0 and 1, rendezvous on 127.0.0.1), one CPU process each over
 gloo, sharing one output folder as nodes share a filesystem. They must train as one 2-rank job:
-the same losses and samples as the 2-process single-node run of the same command."""
+the same losses and samples as the 2-process single-node run of the same command. Both templates:
+DDP (through accelerate's CPU path) and FSDP2 (through the CPU harness, from the fixture's weights)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import socket
 import subprocess
 
 from common import checkpoint
-from conftest import ACCELERATE, ROOT, TWO_RANK_ARGS, Run, launch_env
+import pytest
+
+from conftest import ACCELERATE, HARNESS, ROOT, TWO_RANK_ARGS, Run, launch_env
 
 
 def free_port() -> int:
@@ -18,14 +21,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_train_like_one_node_with_two_processes(tmp_path, hf_home, two_process_runs):
+# template -> (the single-node fixture run it must equal, how its CPU processes run, distributed type)
+TEMPLATES = {
+    "multi_node_ddp.yaml": ("train.py/ddp.yaml", {"ACCELERATE_USE_CPU": "true"}, "MULTI_CPU"),
+    "multi_node_fsdp.yaml": ("train.py/fsdp.yaml", HARNESS, "FSDP"),
+}
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_two_nodes_train_like_one_node_with_two_processes(tmp_path, hf_home, two_process_runs, initial_model,
+                                                          template):
+    pair, cpu_env, distributed_type = TEMPLATES[template]
     out = tmp_path / "shared_output"
     port = str(free_port())
     args = TWO_RANK_ARGS + ["--save_every", "30", "--log_sample_ids", "--output_dir", str(out)]  # as the fixture
-    env = {**launch_env(hf_home), "ACCELERATE_USE_CPU": "true"}
+    if distributed_type == "FSDP":
+        args += ["--model_name_or_path", str(initial_model)]  # as the fixture
+    env = {**launch_env(hf_home), **cpu_env}
     nodes = []
     for machine_rank in (0, 1):
-        cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "accelerate_configs" / "multi_node_ddp.yaml"),
+        cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "accelerate_configs" / template),
                "--num_machines", "2", "--machine_rank", str(machine_rank), "--num_processes", "2",
                "--main_process_ip", "127.0.0.1", "--main_process_port", port,
                "--num_cpu_threads_per_process", "1", "--mixed_precision", "no", str(ROOT / "recipes" / "train.py"),
@@ -40,8 +55,8 @@ def test_two_nodes_train_like_one_node_with_two_processes(tmp_path, hf_home, two
     for node, (stdout, stderr) in zip(nodes, results):
         assert node.returncode == 0, stdout[-2000:] + stderr[-4000:]
 
-    multi_node, single_node = Run(out, None).summary, two_process_runs("train.py/ddp.yaml").summary
-    assert multi_node["setup"]["distributed_type"] == "MULTI_CPU"
+    multi_node, single_node = Run(out, None).summary, two_process_runs(pair).summary
+    assert multi_node["setup"]["distributed_type"] == distributed_type
     assert multi_node["setup"]["world_size"] == 2
     assert [r["rank"] for r in multi_node["parameters_per_rank"]] == [0, 1]
     assert multi_node["losses"] == single_node["losses"]  # every step's loss, lr and grad norm, bitwise
