@@ -34,6 +34,9 @@ import sys
 import torch
 from accelerate.utils import DistributedType
 
+from common import parallel
+from common.config import data_parallel_size, tensor_parallel_size
+
 CHECKPOINT_DIR = "checkpoints"
 METADATA = "checkpoint.json"
 
@@ -135,7 +138,16 @@ def check_compatible(path: str | Path, cfg, accelerator) -> dict:
     if saved_cfg.get("model_name_or_path") is None and cfg.model_name_or_path is None and saved_model != this_model:
         raise ConfigError(f"{meta_file} was saved from {saved_model}; this run builds {this_model}")
     saved_type, this_type = saved_setup.get("distributed_type"), accelerator.distributed_type.value
-    saved_world, this_world = saved_setup.get("world_size"), accelerator.num_processes
+    saved_mesh = (saved_setup.get("data_parallel_size", saved_setup.get("world_size")),
+                  saved_setup.get("tensor_parallel_size", 1))
+    this_mesh = (data_parallel_size(accelerator), tensor_parallel_size(accelerator))
+    if saved_mesh[1] > 1 or this_mesh[1] > 1:
+        if saved_mesh != this_mesh:  # tensor-parallel shards (torch.distributed.checkpoint): same mesh only
+            raise ConfigError(
+                f"{meta_file} was saved with {saved_mesh[0]} data-parallel x {saved_mesh[1]} tensor-parallel ranks; "
+                f"this run has {this_mesh[0]} x {this_mesh[1]}: resume with the parallelism_config it was saved with")
+    # from here on, "world" = ranks that see different batches
+    saved_world, this_world = saved_mesh[0], this_mesh[0]
     same_family = saved_type == this_type or (saved_type in REPLICATED and this_type in REPLICATED)
     if not same_family:
         raise ConfigError(f"{meta_file} was saved with distributed_type {saved_type}; this run has {this_type}: "
@@ -174,7 +186,8 @@ def data_position(meta: dict, cfg, world_size: int, batches_per_epoch: int) -> t
 def _samples_into_epoch(meta: dict, cfg, world_size: int) -> tuple[int, int]:
     from common.config import ConfigError
 
-    saved_cfg, saved_world = meta["config"], meta["setup"]["world_size"]
+    saved_cfg = meta["config"]
+    saved_world = meta["setup"].get("data_parallel_size", meta["setup"]["world_size"])  # batch-splitting ranks
     epoch, skip = divmod(meta["micro_batches_done"], meta["batches_per_epoch"])
     samples_into_epoch = skip * saved_world * saved_cfg["micro_batch_size"]
     per_micro_step = world_size * cfg.micro_batch_size
@@ -218,8 +231,12 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def save(accelerator, output_dir: str | Path, step: int, metadata: dict, keep: int = 0) -> Path:
-    """Write step_<step> atomically (all ranks call this), then rotate old checkpoints."""
+def save(accelerator, output_dir: str | Path, step: int, metadata: dict, keep: int = 0,
+         model=None, optimizer=None) -> Path:
+    """Write step_<step> atomically (all ranks call this), then rotate old checkpoints.
+
+    Under tensor parallelism the model and optimizer are not accelerate's (common/parallel.py):
+    pass them, and their shards go to torch.distributed.checkpoint next to save_state's files."""
     root = Path(output_dir) / CHECKPOINT_DIR
     final, partial = root / f"step_{step}", root / f".step_{step}.partial"
     if accelerator.is_main_process:
@@ -228,6 +245,8 @@ def save(accelerator, output_dir: str | Path, step: int, metadata: dict, keep: i
             shutil.rmtree(leftover, ignore_errors=True)  # left by a crash during an earlier save
     accelerator.wait_for_everyone()
     accelerator.save_state(str(partial))  # every rank writes its part (shards, RNG)
+    if parallel.layout(accelerator) is not None:
+        parallel.save_sharded(model, optimizer, partial)
     if accelerator.is_main_process:
         _fault_point("after_shard", step)
     accelerator.wait_for_everyone()
@@ -258,7 +277,7 @@ def save(accelerator, output_dir: str | Path, step: int, metadata: dict, keep: i
     return final
 
 
-def load(accelerator, path: str | Path, optimizer, scheduler) -> None:
+def load(accelerator, path: str | Path, optimizer, scheduler, model=None) -> None:
     """Restore everything save_state wrote (call on every rank); checkpoint.json was read by check_compatible.
 
     A failure here (a file damaged in place, with its size intact) leaves the model half loaded:
@@ -267,6 +286,8 @@ def load(accelerator, path: str | Path, optimizer, scheduler) -> None:
 
     try:
         accelerator.load_state(str(path))
+        if parallel.layout(accelerator) is not None:
+            parallel.load_sharded(model, optimizer, Path(path))
     except Exception as err:  # noqa: BLE001 - any reader's error: safetensors, torch.load, DCP, DeepSpeed
         raise ConfigError(f"checkpoint {path} could not be loaded ({one_line(err)}); "
                           "resume from an older checkpoint") from None
@@ -284,10 +305,10 @@ def export_pretrained(accelerator, model, tokenizer, out_dir: str | Path) -> Pat
     gathers them, which is a collective, hence every rank calls this. Only the main process writes.
     """
     out_dir = Path(out_dir)
-    if accelerator.distributed_type == DistributedType.FSDP:
+    if accelerator.distributed_type == DistributedType.FSDP or parallel.layout(accelerator) is not None:
         # FSDP2 with SHARDED_STATE_DICT: accelerator.get_state_dict returns an empty dict on rank 0
-        # (FACTS.md). torch's own API gathers the full tensors; cpu_offload keeps them off the GPU
-        # and on rank 0 only.
+        # (FACTS.md); under TP it returns DTensors. torch's own API gathers the full tensors;
+        # cpu_offload keeps them off the GPU and on rank 0 only.
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

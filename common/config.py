@@ -321,19 +321,32 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
     return cfg
 
 
+def tensor_parallel_size(accelerator) -> int:
+    """Ranks that share one batch and split the model's matrices (accelerate's parallelism_config)."""
+    pc = accelerator.parallelism_config
+    return pc.tp_size if pc is not None and pc.tp_enabled else 1
+
+
+def data_parallel_size(accelerator) -> int:
+    """Ranks that see different batches: the world size over the tensor-parallel size."""
+    return accelerator.num_processes // tensor_parallel_size(accelerator)
+
+
 def describe_setup(cfg: TrainConfig, accelerator, extra: dict | None = None) -> str:
     """The one block printed at start: what really runs, and the global batch it implies."""
-    world = accelerator.num_processes
+    world = data_parallel_size(accelerator)
     seqs = cfg.micro_batch_size * cfg.gradient_accumulation_steps * world
+    tp = tensor_parallel_size(accelerator)
     lines = [
         "=" * 72,
         f"distributed_type : {accelerator.distributed_type.value}",
-        f"world_size       : {world}",
+        f"world_size       : {accelerator.num_processes}"
+        + (f" = {world} data-parallel x {tp} tensor-parallel" if tp > 1 else ""),
         f"mixed_precision  : {accelerator.mixed_precision}",
         f"device           : {accelerator.device}"
         + (f" ({torch.get_num_threads()} torch threads per process)" if accelerator.device.type == "cpu" else ""),
         f"global batch     : {seqs} sequences = {cfg.micro_batch_size} micro x {cfg.gradient_accumulation_steps} accum"
-        f" x {world} ranks; {seqs * cfg.seq_len:,} tokens (seq_len {cfg.seq_len})",
+        f" x {world} {'data-parallel ' if tp > 1 else ''}ranks; {seqs * cfg.seq_len:,} tokens (seq_len {cfg.seq_len})",
     ]
     for key, value in (extra or {}).items():
         lines.append(f"{key:<17}: {value}")
@@ -349,11 +362,14 @@ def setup_facts(cfg: TrainConfig, accelerator) -> dict:
     """The resolved setup as plain data, for run_summary.json (and later, checkpoints)."""
     from common.tracking import redact
 
-    world = accelerator.num_processes
+    world = data_parallel_size(accelerator)
     return {
         "options": redact(dataclasses.asdict(cfg)),  # checkpoint.json keeps the exact options for resume
         "distributed_type": accelerator.distributed_type.value,
-        "world_size": world,
+        "world_size": accelerator.num_processes,
+        # ranks with different batches x ranks splitting the model's matrices (1 without TP)
+        "data_parallel_size": world,
+        "tensor_parallel_size": tensor_parallel_size(accelerator),
         "mixed_precision": accelerator.mixed_precision,
         "device": str(accelerator.device),
         "global_batch_sequences": cfg.micro_batch_size * cfg.gradient_accumulation_steps * world,

@@ -36,18 +36,30 @@ def evaluate(model, eval_loader, accelerator, max_batches: int = 0) -> dict:
     duplicates accelerate adds to even out the last batch across ranks (a mean of per-rank means
     would count them). One CPU-GPU sync at the end, none per batch.
     """
+    from common.config import tensor_parallel_size
+
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     token_count = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    tensor_parallel_rows = []
     for i, batch in enumerate(eval_loader):
         if max_batches and i >= max_batches:
             break
         labels = batch["labels"]
         per_token = causal_lm_loss(model, batch["input_ids"], labels, reduction="none").view(labels.shape)
         per_seq = torch.stack([per_token.sum(1).double(), (labels != -100).sum(1).double()], dim=1)
+        if tensor_parallel_size(accelerator) > 1:
+            # Every rank of a TP group holds the same rows, which gather_for_metrics' trimming of the
+            # last batch does not expect (measured: 1e-3 off): keep each sample once, by its index.
+            tensor_parallel_rows.append(accelerator.gather(torch.cat([batch["index"].double()[:, None], per_seq], 1)))
+            continue
         per_seq = accelerator.gather_for_metrics(per_seq)
         loss_sum += per_seq[:, 0].sum()
         token_count += per_seq[:, 1].sum()
+    if tensor_parallel_rows:
+        by_index = {row[0]: row[1:] for row in torch.cat(tensor_parallel_rows).tolist()}
+        loss_sum += sum(row[0] for row in by_index.values())
+        token_count += sum(row[1] for row in by_index.values())
     model.train()
     loss = (loss_sum / token_count).item()
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(token_count.item())}

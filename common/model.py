@@ -121,8 +121,9 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) ->
         is_matrix = len(getattr(param, "ds_shape", param.shape)) >= 2
         (decay if is_matrix and id(param) not in embedding_params else no_decay).append(param)
     groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": params, "weight_decay": weight_decay}
+        for group, weight_decay in ((decay, cfg.weight_decay), (no_decay, 0.0))
+        for params in _split_by_mesh(group)
     ]
     # Fused AdamW updates all tensors in one kernel instead of a loop of small ones. torch has
     # fused kernels for CUDA and (since 2.4) CPU; on this project's 2-core CPU the optimizer step
@@ -131,6 +132,16 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) ->
     return torch.optim.AdamW(
         groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=fused
     )
+
+
+def _split_by_mesh(params: list) -> list[list]:
+    """One list per device mesh (plain tensors apart): a fused or foreach AdamW refuses a group that
+    mixes DTensors with plain tensors or DTensors of different meshes, which tensor parallelism
+    produces (sharded matrices, whole norms and embeddings). Without DTensors: the list as it is."""
+    by_mesh = {}
+    for param in params:
+        by_mesh.setdefault(getattr(param, "device_mesh", None), []).append(param)
+    return list(by_mesh.values()) or [params]
 
 
 def matmul_params(config) -> int:

@@ -73,7 +73,7 @@ def check_launch(accelerator, recipe: str, supports: tuple[str, ...]) -> None:
     """Stop unless what runs is what was asked for, and is something this recipe implements.
 
     `supports` names the strategies the recipe is written for: "single" (one process), "ddp",
-    "fsdp", "deepspeed".
+    "fsdp", "deepspeed", "tp" (tensor parallel), "fsdp+tp" (2D; both from parallelism_config).
     """
     asked = requested()
     dtype = accelerator.distributed_type
@@ -113,6 +113,11 @@ def check_launch(accelerator, recipe: str, supports: tuple[str, ...]) -> None:
         DistributedType.FSDP: "fsdp",
         DistributedType.DEEPSPEED: "deepspeed",
     }.get(dtype)
+    pc = accelerator.parallelism_config
+    if pc is not None and pc.tp_enabled:
+        kind = "fsdp+tp" if pc.dp_shard_size > 1 else "tp"
+    elif _flag("ACCELERATE_USE_PARALLELISM_CONFIG") and int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1")) > 1:
+        raise ConfigError("the config asks for tensor parallelism but accelerate built no tensor-parallel mesh")
     if kind not in supports:
         hint = "recipes/train.py runs with every config"
         raise ConfigError(f"{recipe} is written for {', '.join(supports)}, not {dtype.value}; {hint}")

@@ -39,7 +39,7 @@ from accelerate.utils import (DistributedType, GradientAccumulationPlugin, GradS
                                gather_object, set_seed)
 from tqdm.auto import tqdm
 
-from common import checkpoint, config, data, metrics, preemption, strategy, tracking
+from common import checkpoint, config, data, metrics, parallel, preemption, strategy, tracking
 from common import model as modeling
 from common.schedule import build_scheduler
 
@@ -81,7 +81,7 @@ def main(argv=None):
             InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.collective_timeout)),
         ],
     )
-    strategy.check_launch(accelerator, "train.py", supports=("single", "ddp", "fsdp", "deepspeed"))
+    strategy.check_launch(accelerator, "train.py", supports=("single", "ddp", "fsdp", "deepspeed", "tp", "fsdp+tp"))
     strategy.configure_deepspeed(accelerator, cfg)  # DeepSpeed clips in its step: pass --max_grad_norm on
     if accelerator.is_main_process:
         # A requeued run has started: if it fails before it trains (say its checkpoint is damaged),
@@ -95,6 +95,9 @@ def main(argv=None):
 
     tokenizer = data.build_tokenizer(cfg)
     model_cfg = modeling.model_config(cfg, len(tokenizer))
+    tensor_parallel = parallel.layout(accelerator)  # {"dp_shard": M, "tp": N} from parallelism_config, or None
+    if tensor_parallel:
+        parallel.check(accelerator, cfg, model_cfg, "train.py")
     flops_per_token = modeling.flops_per_token(model_cfg, cfg.seq_len)
 
     # ---- data: rank 0 tokenises and caches first; the other ranks then read its cache ----
@@ -123,11 +126,16 @@ def main(argv=None):
     model = modeling.build_model(cfg, len(tokenizer))
     compiled_blocks = getattr(model, "compiled_blocks", 0)  # --compile
     num_params = metrics.count_parameters(model)
+    if tensor_parallel:  # TP (then FSDP2 for 2D) on accelerate's mesh, by torch's own APIs
+        model = parallel.parallelize(model, accelerator)
     optimizer = modeling.build_optimizer(model, cfg, accelerator.device)
     scheduler = build_scheduler(optimizer, cfg)
-    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
-        model, optimizer, train_loader, eval_loader, scheduler
-    )
+    if tensor_parallel:  # accelerate would wrap the sharded model in DDP: it gets the data and schedule only
+        train_loader, eval_loader, scheduler = accelerator.prepare(train_loader, eval_loader, scheduler)
+    else:
+        model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
+            model, optimizer, train_loader, eval_loader, scheduler
+        )
 
     summary = {
         "recipe": "train.py",
@@ -146,7 +154,11 @@ def main(argv=None):
         "eval": [],
         "throughput": [],
     }
-    micro_batches_per_step = cfg.gradient_accumulation_steps * accelerator.num_processes
+    if tensor_parallel:  # the mesh, and how each parameter is split on it (rank 0's shards)
+        summary["strategy"]["mesh"] = tensor_parallel
+        summary["tensor_parallel_parameters"] = parallel.parameter_layout(model)
+    data_ranks = config.data_parallel_size(accelerator)  # the world size over the tensor-parallel size
+    micro_batches_per_step = cfg.gradient_accumulation_steps * data_ranks
     tokens_per_step = cfg.micro_batch_size * cfg.seq_len * micro_batches_per_step
 
     tracking.start(accelerator, cfg, setup)
@@ -161,11 +173,11 @@ def main(argv=None):
     # ---- resume: model, optimizer, schedule, scaler, RNG of every rank, data position ----
     start_step, epoch, skip = 0, 0, 0
     if resume_path is not None:
-        checkpoint.load(accelerator, resume_path, optimizer, scheduler)
+        checkpoint.load(accelerator, resume_path, optimizer, scheduler, model)
         start_step = resume_meta["step"]
         # (epoch, batches into it) in this run's geometry: FSDP2 and replicated checkpoints may
         # resume on another number of ranks with the same global batch
-        epoch, skip = checkpoint.data_position(resume_meta, cfg, accelerator.num_processes, len(train_loader))
+        epoch, skip = checkpoint.data_position(resume_meta, cfg, data_ranks, len(train_loader))
         summary["resumed_from"] = {"path": str(resume_path), "step": start_step,
                                    "world_size": resume_meta["setup"]["world_size"]}
         if accelerator.is_main_process:
@@ -185,11 +197,13 @@ def main(argv=None):
     preempted = None
 
     def save_checkpoint(step):
-        return checkpoint.save(accelerator, cfg.output_dir, step, keep=cfg.save_total_limit, metadata={
+        return checkpoint.save(accelerator, cfg.output_dir, step, keep=cfg.save_total_limit, model=model,
+                               optimizer=optimizer, metadata={
             "micro_batches_done": micro_batches_done,  # per rank; with batches_per_epoch, the data position
             "batches_per_epoch": len(train_loader),
             "tokens_seen": step * tokens_per_step, "config": dataclasses.asdict(cfg),
-            "setup": {k: setup[k] for k in ("distributed_type", "world_size", "mixed_precision")}})
+            "setup": {k: setup[k] for k in ("distributed_type", "world_size", "data_parallel_size",
+                                            "tensor_parallel_size", "mixed_precision")}})
 
     # The second step of the run: optimizer states exist by then (created lazily at the first step).
     memory_probe_step = min(start_step + 2, cfg.max_steps)
@@ -205,7 +219,9 @@ def main(argv=None):
         step_tokens = accelerator.reduce(local_tokens, "sum")  # a scalar all-reduce; no host sync
         # accelerator.backward (and DeepSpeed's engine) divide by gradient_accumulation_steps and
         # gradient averaging divides by the world size: undo both, so the update follows
-        # sum(per-token loss over the whole step) / step_tokens, not a mean of means.
+        # sum(per-token loss over the whole step) / step_tokens, not a mean of means. (With tensor
+        # parallelism the reduce counts each TP group's tokens tp times and gradients are averaged
+        # over the data-parallel ranks only: world / step_tokens is still data ranks / real tokens.)
         scale = cfg.gradient_accumulation_steps * accelerator.num_processes / step_tokens
         loss_sum = torch.zeros((), device=accelerator.device)
         for batch in micro_batches:
