@@ -123,6 +123,27 @@ def parallelize(model: nn.Module, accelerator) -> nn.Module:
     return model
 
 
+def load_with_tp_plan(folder: str, cfg, tp_size: int, accelerator) -> nn.Module:
+    """transformers' own TP loading (`tp_plan="auto"`, spelled DistributedConfig in 5.24): each rank
+    reads only its slice of every sharded weight from the safetensors files."""
+    from transformers import AutoModelForCausalLM, DistributedConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, attn_implementation="sdpa", dtype=torch.float32,
+        distributed_config=DistributedConfig(tp_plan="auto", tp_size=tp_size))
+    # transformers 5.24 builds its own mesh over the ranks; it must be accelerate's "tp" mesh, whose
+    # groups decide which ranks get the same batch.
+    expected = accelerator.torch_device_mesh["tp"].mesh.flatten().tolist()
+    meshes = {tuple(p.device_mesh.mesh.flatten().tolist()) for p in model.parameters() if hasattr(p, "device_mesh")}
+    if meshes != {tuple(expected)}:
+        raise ConfigError(f"transformers sharded the model over ranks {sorted(meshes)}, not accelerate's TP group "
+                          f"{expected}; this transformers version needs another route (common/parallel.parallelize)")
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
+    return model
+
+
 def parameter_layout(model: nn.Module) -> dict:
     """Per parameter: global and local shape, placements and mesh (run_summary.json)."""
     facts = {}

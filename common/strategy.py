@@ -120,7 +120,8 @@ def check_launch(accelerator, recipe: str, supports: tuple[str, ...]) -> None:
         raise ConfigError("the config asks for tensor parallelism but accelerate built no tensor-parallel mesh")
     if kind not in supports:
         hint = "recipes/train.py runs with every config"
-        raise ConfigError(f"{recipe} is written for {', '.join(supports)}, not {dtype.value}; {hint}")
+        running = {"tp": "tensor parallel (tp)", "fsdp+tp": "2D FSDP2 x tensor parallel (fsdp+tp)"}.get(kind, dtype.value)
+        raise ConfigError(f"{recipe} is written for {', '.join(supports)}, not {running}; {hint}")
     if kind == "fsdp":
         plugin = accelerator.state.fsdp_plugin
         if plugin.fsdp_version != 2:
