@@ -67,10 +67,7 @@ def main(argv=None):
     accelerator = Accelerator(step_scheduler_with_optimizer=False)
     # New: the mesh comes from the config's parallelism_config; TP alone (2D is train.py's). fp16 is refused.
     strategy.check_launch(accelerator, Path(__file__).name, supports=("tp",))
-    tp_size = parallel.layout(accelerator)["tp"]
-    if tp_size != accelerator.num_processes:
-        raise config.ConfigError(f"{Path(__file__).name} runs TP over every rank (tp_size {tp_size}, "
-                                 f"{accelerator.num_processes} processes); 2D runs with recipes/train.py")
+    tp_size = parallel.layout(accelerator)["tp"]  # = the world size (accelerate checks the mesh's total)
     parallel.check(accelerator, cfg, modeling.model_config(cfg), Path(__file__).name)
     # End new
     set_seed(cfg.seed)

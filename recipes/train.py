@@ -12,7 +12,8 @@ config -> Accelerator (+ start-up guard) -> tokenizer -> data -> model -> prepar
 loop (forward, loss, backward, clip, step, schedule, log, eval, checkpoint) -> Hugging Face export
 -> run_summary.json.
 
-Features: every config in accelerate_configs/ (single process, DDP, FSDP2, DeepSpeed ZeRO-3);
+Features: every config in accelerate_configs/ (single process, DDP, FSDP2, DeepSpeed ZeRO-1/2/3,
+tensor parallel and 2D FSDP2 x TP from parallelism_config: common/parallel.py);
 mixed precision from the launch config (no / bf16 / fp16 with a GradScaler whose skipped steps
 hold the schedule); gradient accumulation with the loss normalised by the step's target tokens
 over all micro-batches and ranks; clipping on the full gradient (pre-clip norm logged); NaN/inf

@@ -3,6 +3,7 @@
 from types import SimpleNamespace
 
 import pytest
+from accelerate.parallelism_config import ParallelismConfig
 from accelerate.utils import DistributedType
 
 from common import strategy
@@ -36,16 +37,19 @@ def test_multi_gpu_config_without_gpus_is_refused(tmp_path, hf_home):
     assert all("the launch started 2 processes but each runs alone (distributed type NO" in line for line in lines)
 
 
-def fake_accelerator(dtype=DistributedType.NO, world=1, precision="no", scaler=None, device="cpu"):
+def fake_accelerator(dtype=DistributedType.NO, world=1, precision="no", scaler=None, device="cpu", mesh=None):
+    """mesh: {"dp_shard": M, "tp": N} for a launch with a tensor-parallel parallelism_config."""
+    pc = ParallelismConfig(dp_shard_size=mesh["dp_shard"], tp_size=mesh["tp"]) if mesh else None
     return SimpleNamespace(distributed_type=dtype, num_processes=world, mixed_precision=precision, scaler=scaler,
-                           device=SimpleNamespace(type=device), state=SimpleNamespace(fsdp_plugin=None))
+                           device=SimpleNamespace(type=device), state=SimpleNamespace(fsdp_plugin=None),
+                           parallelism_config=pc)
 
 
 @pytest.fixture
 def launched_as(monkeypatch):
     def set_env(**values):
         for key in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "WORLD_SIZE", "ACCELERATE_MIXED_PRECISION",
-                    strategy.HARNESS_ENV):
+                    "ACCELERATE_USE_PARALLELISM_CONFIG", "PARALLELISM_CONFIG_TP_SIZE", strategy.HARNESS_ENV):
             monkeypatch.delenv(key, raising=False)
         for key, value in values.items():
             monkeypatch.setenv(key, value)
@@ -70,6 +74,22 @@ def test_recipe_refuses_a_strategy_it_is_not_written_for(launched_as):
     with pytest.raises(ConfigError, match="bf16_baseline.py is written for single, not MULTI_GPU"):
         strategy.check_launch(ddp, "bf16_baseline.py", ("single",))
     strategy.check_launch(ddp, "ddp.py", ("single", "ddp"))  # accepted
+
+
+def test_tensor_parallel_launches_are_told_apart_and_refused_where_not_written_for(launched_as):
+    launched_as(WORLD_SIZE="4", ACCELERATE_MIXED_PRECISION="no", ACCELERATE_USE_PARALLELISM_CONFIG="true",
+                PARALLELISM_CONFIG_TP_SIZE="2")
+    tp = fake_accelerator(DistributedType.MULTI_GPU, world=4, mesh={"dp_shard": 1, "tp": 4})
+    two_d = fake_accelerator(DistributedType.MULTI_GPU, world=4, mesh={"dp_shard": 2, "tp": 2})
+    with pytest.raises(ConfigError, match=r"ddp.py is written for single, ddp, not tensor parallel \(tp\)"):
+        strategy.check_launch(tp, "ddp.py", ("single", "ddp"))
+    with pytest.raises(ConfigError, match=r"tensor_parallel.py is written for tp, not 2D FSDP2 x tensor parallel"):
+        strategy.check_launch(two_d, "tensor_parallel.py", ("tp",))
+    strategy.check_launch(tp, "tensor_parallel.py", ("tp",))  # accepted
+    strategy.check_launch(two_d, "train.py", ("ddp", "tp", "fsdp+tp"))  # accepted
+    # the launch asked for TP, but the Accelerator built no mesh for it
+    with pytest.raises(ConfigError, match="asks for tensor parallelism but accelerate built no tensor-parallel mesh"):
+        strategy.check_launch(fake_accelerator(DistributedType.MULTI_GPU, world=4), "train.py", ("ddp", "tp"))
 
 
 def test_deepspeed_requested_but_not_running_is_refused(launched_as):
