@@ -323,7 +323,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
 
 def tensor_parallel_size(accelerator) -> int:
     """Ranks that share one batch and split the model's matrices (accelerate's parallelism_config)."""
-    pc = accelerator.parallelism_config
+    pc = getattr(accelerator, "parallelism_config", None)
     return pc.tp_size if pc is not None and pc.tp_enabled else 1
 
 
@@ -332,9 +332,10 @@ def data_parallel_size(accelerator) -> int:
     return accelerator.num_processes // tensor_parallel_size(accelerator)
 
 
-def describe_setup(cfg: TrainConfig, accelerator, extra: dict | None = None) -> str:
-    """The one block printed at start: what really runs, and the global batch it implies."""
-    world = data_parallel_size(accelerator)
+def describe_setup(cfg: TrainConfig, accelerator, extra: dict | None = None, data_ranks: int | None = None) -> str:
+    """The one block printed at start: what really runs, and the global batch it implies.
+    data_ranks: ranks with batches of their own, where the recipe knows better than the mesh (pipeline: 1)."""
+    world = data_ranks or data_parallel_size(accelerator)
     seqs = cfg.micro_batch_size * cfg.gradient_accumulation_steps * world
     tp = tensor_parallel_size(accelerator)
     lines = [
@@ -358,11 +359,11 @@ def describe_setup(cfg: TrainConfig, accelerator, extra: dict | None = None) -> 
     return "\n".join(lines)
 
 
-def setup_facts(cfg: TrainConfig, accelerator) -> dict:
+def setup_facts(cfg: TrainConfig, accelerator, data_ranks: int | None = None) -> dict:
     """The resolved setup as plain data, for run_summary.json (and later, checkpoints)."""
     from common.tracking import redact
 
-    world = data_parallel_size(accelerator)
+    world = data_ranks or data_parallel_size(accelerator)
     return {
         "options": redact(dataclasses.asdict(cfg)),  # checkpoint.json keeps the exact options for resume
         "distributed_type": accelerator.distributed_type.value,

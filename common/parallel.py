@@ -26,8 +26,8 @@ dimension ("Cannot concatenate overlapping meshes"), and accelerate 1.15's own 2
 it (ImportError ReplicateParallel). parallelize_module also works on a model built in memory (a
 random-init preset), where tp_plan needs a saved folder.
 
-The sharded model is not passed to `accelerator.prepare` (accelerate would wrap it in DDP or refuse
-it); the optimizer neither, so accelerate's save_state keeps what it can save (scheduler, every
+The sharded model is not passed to `accelerator.prepare` (accelerate 1.15 accepts a TP model only from
+transformers' tp_plan loading: NotImplementedError otherwise); the optimizer neither, so accelerate's save_state keeps what it can save (scheduler, every
 rank's RNG) and the model and optimizer go to torch.distributed.checkpoint (save_sharded/load_sharded).
 """
 
@@ -47,7 +47,7 @@ SHARDED_STATE_DIR = "model_optimizer_dcp"  # inside a checkpoint folder
 
 def layout(accelerator) -> dict | None:
     """{"dp_shard": M, "tp": N} when the launch config asks for tensor parallelism, else None."""
-    pc = accelerator.parallelism_config
+    pc = getattr(accelerator, "parallelism_config", None)
     if pc is None or not pc.tp_enabled:
         return None
     return {"dp_shard": pc.dp_shard_size, "tp": pc.tp_size}
@@ -102,7 +102,8 @@ def parallelize(model: nn.Module, accelerator) -> nn.Module:
 
     shape, mesh = layout(accelerator), accelerator.torch_device_mesh
     bf16 = accelerator.mixed_precision == "bf16"
-    model.to(accelerator.device)
+    # Sharded while still on the CPU: each weight goes to the GPU one at a time and only its shard
+    # stays there (distribute_tensor / fully_shard move to the mesh's device), never the whole model.
     parallelize_module(model, mesh["tp"], tp_plan(model))
     if shape["dp_shard"] > 1:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -114,13 +115,37 @@ def parallelize(model: nn.Module, accelerator) -> nn.Module:
             if type(module).__name__ in block_classes:
                 fully_shard(module, mesh=mesh["dp_shard"], mp_policy=policy)
         fully_shard(model, mesh=mesh["dp_shard"], mp_policy=policy)
-    elif bf16:
-        # TP alone: bf16 autocast around the forward, as accelerate's prepare does for DDP (and
-        # restorable the same way: accelerator.unwrap_model(keep_fp32_wrapper=False) undoes it).
-        model._original_forward = model.forward
+    model.to(accelerator.device)  # what no plan sharded: norms, embeddings (TP alone), buffers
+    if bf16 and shape["dp_shard"] == 1:
+        # TP alone: bf16 autocast around the forward, as accelerate's prepare does for DDP.
+        # accelerator.unwrap_model(keep_fp32_wrapper=False) unwinds __wrapped__ down to
+        # _original_forward: the plain function (transformers' own decorators stay on).
+        model._original_forward = model.forward.__func__
         autocast = torch.autocast(device_type=accelerator.device.type, dtype=torch.bfloat16)
         model.forward = MethodType(autocast(model.forward.__func__), model)
     return model
+
+
+def replica_max_difference(model: nn.Module, accelerator) -> float:
+    """Largest difference, over the whole run's TP groups, between the copies of what TP does not
+    split (norms, and in train.py's route embeddings and LM head; their FSDP2 shards in 2D).
+
+    Every TP rank updates its copy itself from gradients that should be bitwise equal; a
+    nondeterministic kernel would let the copies drift apart silently, and the export reads rank 0's.
+    Collective: call on every rank."""
+    import torch.distributed as dist
+
+    group = accelerator.torch_device_mesh["tp"].get_group()
+    worst = torch.zeros((), device=accelerator.device)
+    for param in model.parameters():
+        mesh = getattr(param, "device_mesh", None)
+        if mesh is not None and "tp" in mesh.mesh_dim_names:
+            continue  # split by TP: no copies
+        local = (param.to_local() if hasattr(param, "to_local") else param).detach()
+        first = local.clone()
+        dist.broadcast(first, group=group, group_src=0)
+        worst = torch.maximum(worst, (local - first).abs().max())
+    return accelerator.reduce(worst, "max").item()
 
 
 def load_with_tp_plan(folder: str, cfg, tp_size: int, accelerator) -> nn.Module:
@@ -176,3 +201,166 @@ def load_sharded(model: nn.Module, optimizer, folder: Path) -> None:
     state = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=str(folder / SHARDED_STATE_DIR))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+# ---- pipeline parallel (recipes/pipeline_parallel.py) ----
+
+class PipelineStageModule(nn.Module):
+    """Consecutive decoder layers of a Llama-style causal LM, plus the embedding on the first stage
+    and the final norm and LM head on the last. It aliases the full model's modules (no copy)."""
+
+    def __init__(self, model: nn.Module, layers: range, first: bool, last: bool):
+        super().__init__()
+        inner = model.model
+        self.embed_tokens = inner.embed_tokens if first else None
+        self.layers = nn.ModuleList(inner.layers[i] for i in layers)
+        self.rotary_emb = inner.rotary_emb  # a buffer-only module: the position encodings
+        self.norm = inner.norm if last else None
+        self.lm_head = model.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
+        positions = torch.arange(hidden.shape[1], device=hidden.device)[None]
+        position_embeddings = self.rotary_emb(hidden, positions)
+        for layer in self.layers:
+            # attention_mask None: the SDPA kernel applies the causal mask itself (is_causal)
+            out = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=position_embeddings)
+            hidden = out[0] if isinstance(out, tuple) else out
+        if self.lm_head is not None:
+            hidden = self.lm_head(self.norm(hidden))
+        return hidden
+
+
+class Pipeline:
+    """This rank's stage of a pipeline over every rank, driven by torch's 1F1B schedule.
+
+    Each optimizer step's batch is cut into `micro_batches` micro-batches; stage s runs the forward
+    of micro-batch m as soon as stage s-1 sends its activations (point-to-point), and 1F1B starts
+    the backward of the oldest micro-batch as soon as it can, so a stage keeps at most `stages`
+    micro-batches' activations. Gradients add up over the micro-batches; every rank calls every method."""
+
+    def __init__(self, model: nn.Module, accelerator, micro_batches: int):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        self.accelerator, self.micro_batches = accelerator, micro_batches
+        self.rank, self.stages = accelerator.process_index, accelerator.num_processes
+        self.first, self.last = self.rank == 0, self.rank == self.stages - 1
+        layers = len(model.model.layers)
+        bounds = [layers * s // self.stages for s in range(self.stages + 1)]  # blocks per stage differ by <= 1
+        self.module = PipelineStageModule(model, range(bounds[self.rank], bounds[self.rank + 1]), self.first, self.last)
+        self.layer_range = (bounds[self.rank], bounds[self.rank + 1])
+        # where each of this stage's parameters lives in the full model, for the export
+        full_names = {id(p): name for name, p in model.named_parameters()}
+        self.full_names = {name: full_names[id(p)] for name, p in self.module.named_parameters()}
+        self.full_model = model if accelerator.is_main_process else None  # rank 0 assembles the export
+        self.module.to(accelerator.device)
+        if accelerator.mixed_precision == "bf16":
+            self.module.forward = torch.autocast(accelerator.device.type, dtype=torch.bfloat16)(self.module.forward)
+        self.stage = PipelineStage(self.module, self.rank, self.stages, accelerator.device)
+        # Each micro-batch's loss is its token sum over the step's token count: the losses add up to
+        # the step's token mean, and so do the gradients (no extra 1/micro_batches scaling).
+        self.schedule = Schedule1F1B(self.stage, n_microbatches=micro_batches, loss_fn=self._loss, scale_grads=False)
+        self._step_tokens = None
+
+    def _loss(self, logits, labels):
+        return nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1),
+                                           ignore_index=-100, reduction="sum") / self._step_tokens
+
+    def _run(self, input_ids, labels, train: bool, outputs: bool = False):
+        """One pass over a whole batch; returns its token-mean loss on every rank (and, with
+        outputs, the last stage's logits, None elsewhere)."""
+        device = self.accelerator.device
+        input_ids, labels = input_ids.to(device), labels.to(device)
+        self._step_tokens = (labels != -100).sum().clamp(min=1)  # every rank has the whole batch
+        losses, run = [], self.schedule.step if train else self.schedule.eval
+        if self.first and self.last:
+            out = run(input_ids, target=labels, losses=losses)
+        elif self.first:
+            out = run(input_ids)
+        elif self.last:
+            out = run(target=labels, losses=losses)
+        else:
+            out = run()
+        loss = torch.stack(losses).sum().detach() if self.last else torch.zeros((), device=device)
+        loss = self.accelerator.reduce(loss, "sum")  # the last stage's value, on every rank
+        return (loss, out if self.last else None) if outputs else loss
+
+    def train_step(self, input_ids, labels) -> torch.Tensor:
+        return self._run(input_ids, labels, train=True)
+
+    @torch.no_grad()
+    def evaluate(self, eval_loader, max_batches: int = 0) -> dict:
+        """Token-weighted held-out loss. A short last batch is padded with ignored rows (labels -100)
+        to the schedule's batch size, which the stages' buffers are sized for."""
+        import math
+
+        self.module.eval()
+        loss_sum, tokens = 0.0, 0
+        for i, batch in enumerate(eval_loader):
+            if max_batches and i >= max_batches:
+                break
+            input_ids, labels = batch["input_ids"], batch["labels"]
+            size = eval_loader.batch_size
+            if len(input_ids) < size:
+                missing = size - len(input_ids)
+                input_ids = torch.cat([input_ids, input_ids[:1].expand(missing, -1)])
+                labels = torch.cat([labels, torch.full((missing, labels.shape[1]), -100, dtype=labels.dtype)])
+            batch_tokens = int((labels != -100).sum())
+            loss_sum += self._run(input_ids, labels, train=False).item() * batch_tokens
+            tokens += batch_tokens
+        self.module.train()
+        loss = loss_sum / tokens
+        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens}
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip on the norm of the whole model's gradient: each stage's squared norm, summed over stages."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        local = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+        total = self.accelerator.reduce(local.to(self.accelerator.device) ** 2, "sum").sqrt()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    def full_state_dict(self) -> dict | None:
+        """Every stage's weights, gathered on rank 0 under the full model's names (None elsewhere)."""
+        from accelerate.utils import gather_object
+
+        mine = {self.full_names[name]: t.detach().cpu() for name, t in self.module.state_dict().items()
+                if name in self.full_names}
+        parts = gather_object([mine])
+        if not self.accelerator.is_main_process:
+            return None
+        state = {}
+        for part in parts:
+            state.update(part)
+        return state
+
+    def export(self, tokenizer, out_dir) -> Path:
+        """A Hugging Face folder of the whole trained model, written by rank 0."""
+        state = self.full_state_dict()
+        out_dir = Path(out_dir)
+        if self.accelerator.is_main_process:
+            missing = set(dict(self.full_model.named_parameters())) - set(state)
+            if missing:
+                raise RuntimeError(f"pipeline export: no stage holds {sorted(missing)[:3]}")
+            self.full_model.load_state_dict(state, strict=False)  # buffers (rotary) are not trained
+            self.full_model.save_pretrained(out_dir, state_dict={k: v for k, v in self.full_model.state_dict().items()})
+            tokenizer.save_pretrained(out_dir)
+        self.accelerator.wait_for_everyone()
+        return out_dir
+
+    @torch.no_grad()
+    def probe_logits(self, input_ids: torch.Tensor, batch_size: int) -> list[list[float]]:
+        """fp32 logits of the trained pipeline (through the stages, not the export) for one sequence
+        of the training length, repeated to the schedule's batch size; on every rank."""
+        self.module.eval()
+        forward = self.module.forward
+        self.module.forward = getattr(forward, "__wrapped__", forward)  # without bf16 autocast
+        batch = input_ids.unsqueeze(0).expand(batch_size, -1)
+        _, out = self._run(batch, torch.full_like(batch, -100), train=False, outputs=True)
+        self.module.forward = forward
+        self.module.train()
+        # the last stage holds the logits, rank 0 writes the summary: gather them (every rank calls this)
+        from accelerate.utils import gather_object
+
+        parts = gather_object([out[0].float().cpu().tolist() if self.last else None])
+        return next(part for part in parts if part is not None)

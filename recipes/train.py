@@ -131,7 +131,7 @@ def main(argv=None):
         model = parallel.parallelize(model, accelerator)
     optimizer = modeling.build_optimizer(model, cfg, accelerator.device)
     scheduler = build_scheduler(optimizer, cfg)
-    if tensor_parallel:  # accelerate would wrap the sharded model in DDP: it gets the data and schedule only
+    if tensor_parallel:  # accelerate takes TP models from transformers' tp_plan only: it gets the data and schedule
         train_loader, eval_loader, scheduler = accelerator.prepare(train_loader, eval_loader, scheduler)
     else:
         model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
@@ -225,7 +225,9 @@ def main(argv=None):
         # over the data-parallel ranks only: world / step_tokens is still data ranks / real tokens.)
         scale = cfg.gradient_accumulation_steps * accelerator.num_processes / step_tokens
         loss_sum = torch.zeros((), device=accelerator.device)
-        for batch in micro_batches:
+        for i, batch in enumerate(micro_batches):
+            if tensor_parallel and tensor_parallel["dp_shard"] > 1:  # our own fully_shard: accelerate cannot pause it
+                model.set_requires_gradient_sync(i == len(micro_batches) - 1)
             with accelerator.accumulate(model):  # no gradient all-reduce before the last micro-batch
                 micro_sum = modeling.causal_lm_loss(model, batch["input_ids"], batch["labels"], reduction="sum")
                 accelerator.backward(micro_sum * scale)
@@ -349,6 +351,8 @@ def main(argv=None):
             "probe_logits": checkpoint.probe_logits(accelerator, model, probe),
         }
     summary["peak_memory_per_rank"] = metrics.peak_memory(accelerator)
+    if tensor_parallel:  # the copies TP keeps on every rank of a group must still be equal
+        summary["tensor_parallel_replica_max_difference"] = parallel.replica_max_difference(model, accelerator)
     memory_points["rank"] = accelerator.process_index
     summary["memory_points_per_rank"] = (gather_object([memory_points]) if accelerator.num_processes > 1
                                          else [memory_points])

@@ -13,6 +13,7 @@ import pytest
 from conftest import ROOT
 
 FEATURE_RECIPES = ["ddp.py", "fsdp_full_shard.py", "deepspeed_zero3_offload.py", "fp16_scaler.py", "tensor_parallel.py",
+                   "pipeline_parallel.py",
                    "accumulate_and_clip.py"]
 
 

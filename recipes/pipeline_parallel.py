@@ -1,0 +1,174 @@
+"""Pipeline parallel (PP): consecutive decoder layers on each GPU, micro-batches flowing through them.
+
+    accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 4 \
+        recipes/pipeline_parallel.py --preset 1b --micro_batch_size 2 --gradient_accumulation_steps 8
+    ACCELERATE_USE_CPU=true accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 2 \
+        --mixed_precision no recipes/pipeline_parallel.py --preset debug --micro_batch_size 2 \
+        --gradient_accumulation_steps 4                                                    # CPU, gloo
+
+Naive model parallel places layers on different GPUs and passes one batch through them: only one
+GPU works at a time. A pipeline cuts each optimizer step's batch into micro-batches
+(--gradient_accumulation_steps of them, --micro_batch_size sequences each) so that stage s works on
+micro-batch m while stage s+1 works on m-1. torch's 1F1B schedule (torch.distributed.pipelining)
+runs one backward as soon as one forward has reached the last stage, so a stage keeps the
+activations of at most `stages` micro-batches, not all of them. The idle time ("bubble") is
+(stages - 1) / (micro-batches + stages - 1) of a step: 1/5 with 2 stages and 4 micro-batches.
+Gradients add up over the micro-batches (each micro-batch's loss is its token sum over the step's
+token count), so one optimizer step equals one step on the whole batch.
+
+Communication: each stage sends its output activations to the next one and receives their
+gradients back, point to point (micro-batch x seq x hidden each way), nothing else; that is why PP
+crosses slow links (between machines) better than FSDP or TP. It pays for very deep models
+spread over many machines, combined with data and tensor parallelism (this recipe is PP alone).
+
+accelerate 1.15's ParallelismConfig has no pipeline dimension, so the launch config only provides
+the processes (ddp.yaml: one per GPU; nothing is wrapped in DDP) and this recipe makes every rank
+one stage. Every rank builds the full model with the same seed, keeps its layers (the first stage
+also the embedding, the last the final norm and the LM head; tied embeddings are refused) and reads
+the whole batch (the first stage needs the inputs, the last the labels). Gradient clipping uses the
+norm of the whole model (squared norms summed over stages). Export: rank 0 gathers every stage's
+weights into the full model and writes one Hugging Face folder; the probe logits come through the
+pipeline. The delta against bf16_baseline.py is marked `# New:`.
+"""
+
+import sys
+import time
+from pathlib import Path
+
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+
+# New: the pipeline stages and their schedule (the export is the pipeline's, not common/checkpoint's)
+import dataclasses
+
+from accelerate.utils import gather_object
+
+from common import config, data, metrics, parallel, strategy
+# End new
+from common import model as modeling
+from common.schedule import build_scheduler
+
+
+def main(argv=None):
+    cfg = config.parse_config(argv)
+    modeling.check_seq_len(cfg)
+    if cfg.save_every or cfg.resume_from_checkpoint:
+        raise config.ConfigError(f"{Path(__file__).name} writes no resumable checkpoints; use recipes/train.py")
+    # New: --gradient_accumulation_steps is the number of micro-batches per step, one pipeline step
+    micro_batches = cfg.gradient_accumulation_steps
+    # End new
+
+    # Mixed precision, device and process count come from the launch config. The LR schedule is
+    # stepped by us once per optimizer step (accelerate would step it world_size times).
+    accelerator = Accelerator(step_scheduler_with_optimizer=False)
+    # New: every rank a stage: at least 2 processes, no more than the model's layers
+    strategy.check_launch(accelerator, Path(__file__).name, supports=("ddp",))
+    model_cfg = modeling.model_config(cfg)
+    if not 2 <= accelerator.num_processes <= model_cfg.num_hidden_layers:
+        raise config.ConfigError(f"{Path(__file__).name} needs 2 to {model_cfg.num_hidden_layers} processes (one "
+                                 f"stage each, at least one layer per stage); got {accelerator.num_processes}")
+    if getattr(model_cfg, "tie_word_embeddings", False):
+        raise config.ConfigError(f"{Path(__file__).name}: tied embeddings would span the first and the last stage")
+    # End new
+    if accelerator.mixed_precision == "fp16":
+        raise config.ConfigError(f"{Path(__file__).name} does not handle fp16 loss scaling; use fp16_scaler.py")
+    set_seed(cfg.seed)
+
+    tokenizer = data.build_tokenizer(cfg)
+    with accelerator.main_process_first():  # rank 0 builds the tokenised cache, the others reuse it
+        train_set, eval_set = data.build_datasets(cfg, tokenizer)
+    # New: every rank reads the whole step's batch (not prepared: accelerate would split it over ranks)
+    train_loader, eval_loader = data.build_loaders(
+        dataclasses.replace(cfg, micro_batch_size=cfg.micro_batch_size * micro_batches), train_set, eval_set,
+        pin_memory=accelerator.device.type == "cuda")
+    # End new
+    if accelerator.is_main_process:
+        # New: one batch of micro_batch_size x micro-batches for all the stages
+        print(config.describe_setup(cfg, accelerator, data_ranks=1), flush=True)
+        # End new
+
+    # New: the same full model on every rank (same seed), then this rank's stage of it
+    pipeline = parallel.Pipeline(modeling.build_model(cfg, len(tokenizer)), accelerator, micro_batches)
+    model = pipeline.module  # this stage's layers: what this rank trains
+    optimizer = modeling.build_optimizer(model, cfg, accelerator.device)
+    scheduler = build_scheduler(optimizer, cfg)
+    # End new
+
+    summary = {"recipe": Path(__file__).name, "setup": config.setup_facts(cfg, accelerator),
+               "parameters_per_rank": metrics.parameter_facts(model, accelerator),  # at rest, after prepare
+               "optimizer_groups": metrics.optimizer_facts(optimizer),
+               "losses": [], "eval": [], "throughput": []}
+    # New: one batch for the whole pipeline; which layers each stage holds
+    summary["setup"] = config.setup_facts(cfg, accelerator, data_ranks=1)
+    tokens_per_step = cfg.micro_batch_size * micro_batches * cfg.seq_len
+    summary["pipeline"] = {"stages": accelerator.num_processes, "micro_batches": micro_batches,
+                           "layers_per_stage": gather_object([list(pipeline.layer_range)])}
+    # End new
+
+    def run_eval(step):
+        # New: forward only, through the stages
+        result = pipeline.evaluate(eval_loader, cfg.eval_batches)
+        # End new
+        summary["eval"].append({"step": step, **result})
+        if accelerator.is_main_process:
+            tqdm.write(f"step {step}: eval loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f}")
+
+    if cfg.eval_every > 0:
+        run_eval(0)
+    model.train()
+    step, epoch, last_log_step = 0, 0, 0
+    bar = tqdm(total=cfg.max_steps, disable=not accelerator.is_main_process, desc="train")
+    interval_start = time.perf_counter()
+    while step < cfg.max_steps:
+        # New: a plain DataLoader: the epoch goes to its sampler (accelerate's wrapper would forward it)
+        train_loader.sampler.set_epoch(epoch)  # the shuffle order is a function of (seed, epoch)
+        # End new
+        for batch in train_loader:
+            # New: forward and backward of every micro-batch through every stage; clip on the whole model
+            loss = pipeline.train_step(batch["input_ids"], batch["labels"])
+            if cfg.max_grad_norm > 0:
+                pipeline.clip_grad_norm_(cfg.max_grad_norm)
+            # End new
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+
+            # Every step's loss, averaged over ranks. .item() is a CPU-GPU sync each step: fine
+            # for the baseline; train.py batches these syncs up to one per log interval.
+            loss_value = accelerator.reduce(loss.detach(), "mean").item()
+            summary["losses"].append({"step": step, "loss": loss_value, "lr": scheduler.get_last_lr()[0]})
+            if step % cfg.log_every == 0 or step == cfg.max_steps:
+                elapsed = time.perf_counter() - interval_start
+                tokens_per_s = (step - last_log_step) * tokens_per_step / elapsed
+                summary["throughput"].append({"step": step, "tokens_per_s": tokens_per_s})
+                bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}",
+                                tok_s=f"{tokens_per_s:,.0f}")
+                interval_start, last_log_step = time.perf_counter(), step
+            bar.update(1)
+            if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+                run_eval(step)
+            if step == cfg.max_steps:
+                break
+        epoch += 1
+    bar.close()
+
+    if cfg.save_model:
+        # New: gathered from every stage on rank 0; the probe (a whole sequence: the stages' buffers
+        # are sized for it) runs through the pipeline
+        out = pipeline.export(tokenizer, f"{cfg.output_dir}/model")
+        probe = eval_set[0]["input_ids"]
+        summary["export"] = {"path": str(out), "probe_input_ids": probe.tolist(),
+                             "probe_logits": pipeline.probe_logits(probe, cfg.micro_batch_size * micro_batches)}
+        # End new
+    summary["peak_memory_per_rank"] = metrics.peak_memory(accelerator)
+    if accelerator.is_main_process:
+        metrics.write_summary(f"{cfg.output_dir}/run_summary.json", summary)
+        print(f"done: {step} steps -> {cfg.output_dir}", flush=True)
+    accelerator.wait_for_everyone()  # no rank tears down the process group while another still uses it
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    sys.exit(config.run_cli(main))

@@ -1,0 +1,77 @@
+"""Pipeline parallel (recipes/pipeline_parallel.py): 2 and 3 CPU processes over gloo, one stage each.
+
+The 2-stage run takes the 1-process reference's batch of 8 as 4 micro-batches of 2, from the same
+initial weights: its losses must equal the reference's up to the order of floating-point sums."""
+
+import pytest
+from accelerate.utils import set_seed
+from transformers import AutoModelForCausalLM
+
+from common.config import TrainConfig
+from common.data import build_tokenizer
+from common.model import model_config
+from conftest import DEBUG_ARGS, Run, check_export_reproduces_model, check_loss_goes_down, launch_two_processes
+
+PIPELINE_ARGS = DEBUG_ARGS + ["--micro_batch_size", "2", "--gradient_accumulation_steps", "4"]
+
+
+@pytest.fixture(scope="session")
+def pipeline_run(tmp_path_factory, hf_home):
+    out = tmp_path_factory.mktemp("pipeline_2_stages")
+    proc = launch_two_processes("pipeline_parallel.py", "ddp.yaml", PIPELINE_ARGS + ["--output_dir", str(out)], hf_home)
+    return Run(out, proc)
+
+
+@pytest.fixture(scope="session")
+def three_stage_run(tmp_path_factory, hf_home):
+    """A 3-layer model over 3 stages: the middle stage receives and sends (the 2-stage run has none)."""
+    folder = tmp_path_factory.mktemp("three_layers")
+    config = model_config(TrainConfig(preset="debug"), 259)
+    config.num_hidden_layers = 3
+    set_seed(1234)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    build_tokenizer(TrainConfig()).save_pretrained(folder)
+    out = tmp_path_factory.mktemp("pipeline_3_stages")
+    args = PIPELINE_ARGS + ["--model_name_or_path", str(folder), "--max_steps", "30", "--eval_every", "15",
+                            "--output_dir", str(out)]
+    return Run(out, launch_two_processes("pipeline_parallel.py", "ddp.yaml", args, hf_home,
+                                         extra_launch_args=["--num_processes", "3"]))
+
+
+def test_pipeline_losses_match_one_process(pipeline_run, train_run):
+    reference = [row["loss"] for row in train_run.summary["losses"]]
+    losses = [row["loss"] for row in pipeline_run.summary["losses"]]
+    assert losses[:5] == pytest.approx(reference[:5], abs=1e-5, rel=0)
+    assert losses == pytest.approx(reference, abs=1e-4, rel=0)  # all 60 steps (measured: 9.5e-7)
+    check_loss_goes_down(pipeline_run.summary)
+    assert [(row["step"], row["tokens"]) for row in pipeline_run.summary["eval"]] == \
+        [(row["step"], row["tokens"]) for row in train_run.summary["eval"]]
+    assert [row["loss"] for row in pipeline_run.summary["eval"]] == pytest.approx(
+        [row["loss"] for row in train_run.summary["eval"]], abs=1e-5, rel=0)
+
+
+def test_each_stage_holds_its_own_layers(pipeline_run, three_stage_run, train_run):
+    two = pipeline_run.summary
+    assert two["pipeline"] == {"stages": 2, "micro_batches": 4, "layers_per_stage": [[0, 1], [1, 2]]}
+    assert three_stage_run.summary["pipeline"]["layers_per_stage"] == [[0, 1], [1, 2], [2, 3]]
+    # every parameter on exactly one stage, nothing sharded: the stages add up to the whole model
+    whole = train_run.summary["parameters_per_rank"][0]["global_numel"]
+    assert sum(rank["local_numel"] for rank in two["parameters_per_rank"]) == whole
+    assert all(rank["sharded_tensors"] == {} for rank in two["parameters_per_rank"])
+    # one batch of 2 x 4 for all the stages, as the 1-process reference's 8
+    assert (two["setup"]["global_batch_sequences"], two["setup"]["data_parallel_size"]) == (8, 1)
+    assert two["setup"]["distributed_type"] == "MULTI_CPU" and two["setup"]["world_size"] == 2
+
+
+@pytest.mark.parametrize("run", ["pipeline_run", "three_stage_run"])
+def test_pipeline_export_reproduces_the_logits_that_came_through_the_stages(run, request):
+    trained = request.getfixturevalue(run)
+    check_export_reproduces_model(trained)
+    assert len(trained.summary["export"]["probe_input_ids"]) == 64  # a whole training-length sequence
+
+
+def test_three_stages_train(three_stage_run):
+    losses = [row["loss"] for row in three_stage_run.summary["losses"]]
+    assert len(losses) == 30 and sum(losses[-5:]) / 5 < losses[0] - 1.0, losses
+    evals = three_stage_run.summary["eval"]
+    assert evals[-1]["loss"] < evals[0]["loss"] - 1.0
