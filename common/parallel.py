@@ -1,4 +1,6 @@
-"""Tensor parallel (TP) and 2D (FSDP2 over the data dimension, TP inside) on accelerate's mesh.
+"""Model parallelism: tensor parallel (TP) and 2D (FSDP2 over the data dimension, TP inside) on
+accelerate's mesh, used by train.py; transformers' own TP loading (recipes/tensor_parallel.py); and
+pipeline stages with torch's 1F1B schedule (recipes/pipeline_parallel.py, at the end of this file).
 
 The launch config's `parallelism_config` (accelerate_configs/tp.yaml, fsdp_tp.yaml) makes the
 Accelerator build a device mesh: ("tp",) or ("dp_shard", "tp"), tp the inner dimension, so a TP
