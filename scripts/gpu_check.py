@@ -1,6 +1,6 @@
 """GPU check: every recipe with its config on the GPUs present, in priority order, one row each.
 
-    python scripts/gpu_check.py --out benchmarks/results/gpu_check-$(date +%F)   # all 21 runs; the first 16 took ~11 min on one H200
+    python scripts/gpu_check.py --out benchmarks/results/gpu_check-$(date +%F)   # all 25 runs; the first 16 took ~11 min on one H200
     python scripts/gpu_check.py --only 10 11 12 --out DIR                      # a subset, numbered as --dry-run shows
     python scripts/gpu_check.py --dry-run                                       # what it would run, in order
 
@@ -8,7 +8,9 @@ Each run is a real `accelerate launch` of a recipe for a fixed number of steps o
 keeps the GPU busy; the row is printed (and appended to --out) as soon as the run ends: recipe,
 config, precision, world size, tokens/s, MFU, peak memory, final loss, status. With one GPU the
 distributed configs run with world size 1, which still exercises their CUDA code paths (NCCL
-process group, FSDP2 DTensors, DeepSpeed's engine and CUDA/CPU ops, the fp16 GradScaler).
+process group, FSDP2 DTensors, DeepSpeed's engine and CUDA/CPU ops, the fp16 GradScaler). Tensor
+parallel, 2D and the pipeline split the model over GPUs: with fewer GPUs than they need (2, 4, 2)
+their rows say "skipped (needs N GPUs)", which does not fail the check.
 --budget-seconds stops starting new runs once the next one would not fit.
 
 Rows come from each run's run_summary.json (never from parsing logs). tokens/s is the median of
@@ -50,6 +52,10 @@ RUNS = [
     ("accumulate_and_clip.py", "ddp.yaml", "bf16"),
     ("train.py", "fsdp_shard_grad_op.yaml", "bf16"),  # the rest of the ladder (common/plan.py)
     ("train.py", "fsdp_offload.yaml", "bf16"),
+    ("tensor_parallel.py", "tp.yaml", "bf16"),  # model parallelism: needs several GPUs (MIN_GPUS)
+    ("train.py", "tp.yaml", "bf16"),
+    ("train.py", "fsdp_tp.yaml", "bf16"),
+    ("pipeline_parallel.py", "ddp.yaml", "bf16"),
     ("train.py", "deepspeed_zero1.yaml", "bf16"),  # DeepSpeed without offload: torch's AdamW, no op build
     ("train.py", "deepspeed_zero2.yaml", "bf16"),
     ("train.py", "deepspeed_zero3.yaml", "bf16"),
@@ -59,6 +65,29 @@ RUNS = [
     ("accumulate_and_clip.py", "deepspeed_zero3_offload.yaml", "bf16"),
 ]
 SINGLE_PROCESS_CONFIGS = {"single_gpu.yaml", "fp16.yaml", "cpu.yaml"}
+
+
+def model_parallel_layout(recipe: str, config: str, gpus: int, preset: str):
+    """(processes, extra launch arguments, extra recipe options) of a run, or the number of GPUs it
+    needs when there are fewer. TP takes the largest power of two <= the GPUs that divides the
+    preset's heads, key/value heads and MLP width; 2D is (GPUs / 2) x TP 2; the pipeline one stage per
+    GPU (at most one per layer) with 2 micro-batches per stage."""
+    from common.model import PRESETS
+
+    shape = PRESETS[preset]
+    if config == "tp.yaml":
+        tp = 1
+        while tp * 2 <= gpus and all(shape[k] % (tp * 2) == 0 for k in
+                                     ("num_attention_heads", "num_key_value_heads", "intermediate_size")):
+            tp *= 2
+        return (tp, ["--parallelism_config_tp_size", str(tp)], []) if tp >= 2 else 2
+    if config == "fsdp_tp.yaml":
+        return (gpus // 2 * 2, ["--parallelism_config_dp_shard_size", str(gpus // 2),
+                                "--parallelism_config_tp_size", "2"], []) if gpus >= 4 else 4
+    if recipe == "pipeline_parallel.py":
+        stages = min(gpus, shape["num_hidden_layers"])
+        return (stages, [], ["--gradient_accumulation_steps", str(2 * stages)]) if stages >= 2 else 2
+    return (gpus, [], [])
 COLUMNS = ["recipe", "config", "precision", "world", "tokens/s", "MFU", "peak mem GiB", "final loss", "seconds",
            "status"]
 
@@ -109,14 +138,15 @@ def environment() -> dict:
             "gpus": torch.cuda.device_count(), "versions": versions}
 
 
-def launch_command(recipe, config, precision, world, args, output_dir) -> list[str]:
+def launch_command(recipe, config, precision, world, args, output_dir, extra_launch=(), extra_options=()) -> list[str]:
     launcher = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
                 str(ROOT / "accelerate_configs" / config), "--mixed_precision", precision]
     if config not in SINGLE_PROCESS_CONFIGS:
-        launcher += ["--num_processes", str(world)]
+        launcher += ["--num_processes", str(world), *extra_launch]
     options = ["--preset", args.preset, "--seq_len", str(args.seq_len), "--micro_batch_size", str(args.micro_batch),
                "--max_steps", str(args.steps), "--warmup_steps", str(min(5, args.steps)), "--eval_every", "0",
-               "--log_every", str(max(1, args.steps // 5)), "--save_model", "false", "--output_dir", str(output_dir)]
+               "--log_every", str(max(1, args.steps // 5)), "--save_model", "false", "--output_dir", str(output_dir),
+               *extra_options]
     return launcher + [str(ROOT / "recipes" / recipe)] + options
 
 
@@ -176,12 +206,15 @@ def main(argv=None) -> int:
         row = {"recipe": recipe, "config": config, "precision": precision}
         elapsed = time.monotonic() - start
         expected = max(durations) if durations else 0.0  # the slowest run so far predicts the next
-        if elapsed + expected >= args.budget_seconds:
+        layout = model_parallel_layout(recipe, config, world, args.preset)
+        if isinstance(layout, int):
+            row["status"] = f"skipped (needs {layout} GPUs)"
+        elif elapsed + expected >= args.budget_seconds:
             row["status"] = "skipped (budget)"
         else:
             name = f"{recipe.removesuffix('.py')}__{config.removesuffix('.yaml')}__{precision}"
             run_dir = (args.out or Path("outputs/gpu_check")) / "runs" / name
-            cmd = launch_command(recipe, config, precision, world, args, run_dir)
+            cmd = launch_command(recipe, config, precision, layout[0], args, run_dir, layout[1], layout[2])
             timeout = min(args.run_timeout, max(10.0, args.budget_seconds - elapsed))
             t0 = time.monotonic()
             try:
