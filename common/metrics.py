@@ -30,39 +30,30 @@ from common.model import causal_lm_loss
 
 @torch.no_grad()
 def evaluate(model, eval_loader, accelerator, max_batches: int = 0) -> dict:
-    """Token-weighted mean loss over the held-out blocks, across all ranks.
+    """Token-weighted mean loss over the held-out blocks, across all ranks, each block counted once.
 
-    Sums and token counts are gathered per sequence with gather_for_metrics, which drops the
-    duplicates accelerate adds to even out the last batch across ranks (a mean of per-rank means
-    would count them). One CPU-GPU sync at the end, none per batch.
+    Every rank gathers (sample index, loss sum, target tokens) per sequence, and the sums are taken
+    over distinct sample indices at the end. That drops the rows accelerate repeats to even out the
+    last batch across ranks (a mean of per-rank means would count them) and, under tensor
+    parallelism, the identical rows of a TP group, which gather_for_metrics' trimming of the last
+    batch does not expect (measured 1e-3 off). One CPU-GPU sync at the end, none per batch.
     """
-    from common.config import tensor_parallel_size
-
     model.eval()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-    token_count = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-    tensor_parallel_rows = []
+    rows = []
     for i, batch in enumerate(eval_loader):
         if max_batches and i >= max_batches:
             break
         labels = batch["labels"]
         per_token = causal_lm_loss(model, batch["input_ids"], labels, reduction="none").view(labels.shape)
-        per_seq = torch.stack([per_token.sum(1).double(), (labels != -100).sum(1).double()], dim=1)
-        if tensor_parallel_size(accelerator) > 1:
-            # Every rank of a TP group holds the same rows, which gather_for_metrics' trimming of the
-            # last batch does not expect (measured: 1e-3 off): keep each sample once, by its index.
-            tensor_parallel_rows.append(accelerator.gather(torch.cat([batch["index"].double()[:, None], per_seq], 1)))
-            continue
-        per_seq = accelerator.gather_for_metrics(per_seq)
-        loss_sum += per_seq[:, 0].sum()
-        token_count += per_seq[:, 1].sum()
-    if tensor_parallel_rows:
-        by_index = {row[0]: row[1:] for row in torch.cat(tensor_parallel_rows).tolist()}
-        loss_sum += sum(row[0] for row in by_index.values())
-        token_count += sum(row[1] for row in by_index.values())
+        per_seq = torch.stack([batch["index"].to(per_token.device).double(), per_token.sum(1).double(),
+                               (labels != -100).sum(1).double()], dim=1)
+        rows.append(accelerator.gather(per_seq))
     model.train()
-    loss = (loss_sum / token_count).item()
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(token_count.item())}
+    by_index = {row[0]: row[1:] for row in (torch.cat(rows).tolist() if rows else [])}
+    loss_sum = sum(loss for loss, _ in by_index.values())
+    token_count = int(sum(tokens for _, tokens in by_index.values()))
+    loss = loss_sum / token_count if token_count else float("nan")
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": token_count}
 
 
 def parameter_facts(model, accelerator) -> list[dict]:
