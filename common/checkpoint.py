@@ -142,11 +142,10 @@ def check_compatible(path: str | Path, cfg, accelerator) -> dict:
     saved_mesh = (saved_setup.get("data_parallel_size", saved_setup.get("world_size")),
                   saved_setup.get("tensor_parallel_size", 1))
     this_mesh = (data_parallel_size(accelerator), tensor_parallel_size(accelerator))
-    if saved_mesh[1] > 1 or this_mesh[1] > 1:
-        if saved_mesh != this_mesh:  # tensor-parallel shards (torch.distributed.checkpoint): same mesh only
-            raise ConfigError(
-                f"{meta_file} was saved with {saved_mesh[0]} data-parallel x {saved_mesh[1]} tensor-parallel ranks; "
-                f"this run has {this_mesh[0]} x {this_mesh[1]}: resume with the parallelism_config it was saved with")
+    if max(saved_mesh[1], this_mesh[1]) > 1 and saved_mesh != this_mesh:  # TP shards (DCP): same mesh only
+        raise ConfigError(
+            f"{meta_file} was saved with {saved_mesh[0]} data-parallel x {saved_mesh[1]} tensor-parallel ranks; "
+            f"this run has {this_mesh[0]} x {this_mesh[1]}: resume with the parallelism_config it was saved with")
     # from here on, "world" = ranks that see different batches
     saved_world, this_world = saved_mesh[0], this_mesh[0]
     same_family = saved_type == this_type or (saved_type in REPLICATED and this_type in REPLICATED)

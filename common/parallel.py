@@ -42,17 +42,15 @@ from types import MethodType
 import torch
 from torch import nn
 
-from common.config import ConfigError
+from common.config import ConfigError, tensor_parallel_size
 
 SHARDED_STATE_DIR = "model_optimizer_dcp"  # inside a checkpoint folder
 
 
 def layout(accelerator) -> dict | None:
     """{"dp_shard": M, "tp": N} when the launch config asks for tensor parallelism, else None."""
-    pc = getattr(accelerator, "parallelism_config", None)
-    if pc is None or not pc.tp_enabled:
-        return None
-    return {"dp_shard": pc.dp_shard_size, "tp": pc.tp_size}
+    tp = tensor_parallel_size(accelerator)
+    return {"dp_shard": accelerator.parallelism_config.dp_shard_size, "tp": tp} if tp > 1 else None
 
 
 def check(accelerator, cfg, model_config, recipe: str) -> None:
@@ -251,9 +249,9 @@ class Pipeline:
         bounds = [layers * s // self.stages for s in range(self.stages + 1)]  # blocks per stage differ by <= 1
         self.module = PipelineStageModule(model, range(bounds[self.rank], bounds[self.rank + 1]), self.first, self.last)
         self.layer_range = (bounds[self.rank], bounds[self.rank + 1])
-        # where each of this stage's parameters lives in the full model, for the export
-        full_names = {id(p): name for name, p in model.named_parameters()}
-        self.full_names = {name: full_names[id(p)] for name, p in self.module.named_parameters()}
+        # the full model's name of each of this stage's tensors, for the export
+        full_names = {id(t): name for name, t in model.state_dict(keep_vars=True).items()}
+        self.full_names = {name: full_names[id(t)] for name, t in self.module.state_dict(keep_vars=True).items()}
         self.full_model = model if accelerator.is_main_process else None  # rank 0 assembles the export
         self.module.to(accelerator.device)
         if accelerator.mixed_precision == "bf16":
@@ -297,7 +295,7 @@ class Pipeline:
         import math
 
         self.module.eval()
-        loss_sum, tokens = 0.0, 0
+        loss_sum, tokens = torch.zeros((), dtype=torch.float64, device=self.accelerator.device), 0
         for i, batch in enumerate(eval_loader):
             if max_batches and i >= max_batches:
                 break
@@ -307,11 +305,11 @@ class Pipeline:
                 missing = size - len(input_ids)
                 input_ids = torch.cat([input_ids, input_ids[:1].expand(missing, -1)])
                 labels = torch.cat([labels, torch.full((missing, labels.shape[1]), -100, dtype=labels.dtype)])
-            batch_tokens = int((labels != -100).sum())
-            loss_sum += self._run(input_ids, labels, train=False).item() * batch_tokens
+            batch_tokens = int((labels != -100).sum())  # on the host: labels are not on the device yet
+            loss_sum += self._run(input_ids, labels, train=False).double() * batch_tokens
             tokens += batch_tokens
         self.module.train()
-        loss = loss_sum / tokens
+        loss = loss_sum.item() / tokens  # one CPU-GPU sync, at the end
         return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens}
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -326,8 +324,7 @@ class Pipeline:
         """Every stage's weights, gathered on rank 0 under the full model's names (None elsewhere)."""
         from accelerate.utils import gather_object
 
-        mine = {self.full_names[name]: t.detach().cpu() for name, t in self.module.state_dict().items()
-                if name in self.full_names}
+        mine = {self.full_names[name]: t.detach().cpu() for name, t in self.module.state_dict().items()}
         parts = gather_object([mine])
         if not self.accelerator.is_main_process:
             return None
@@ -341,11 +338,8 @@ class Pipeline:
         state = self.full_state_dict()
         out_dir = Path(out_dir)
         if self.accelerator.is_main_process:
-            missing = set(dict(self.full_model.named_parameters())) - set(state)
-            if missing:
-                raise RuntimeError(f"pipeline export: no stage holds {sorted(missing)[:3]}")
-            self.full_model.load_state_dict(state, strict=False)  # buffers (rotary) are not trained
-            self.full_model.save_pretrained(out_dir, state_dict={k: v for k, v in self.full_model.state_dict().items()})
+            self.full_model.load_state_dict(state)  # strict: every tensor comes from some stage
+            self.full_model.save_pretrained(out_dir)
             tokenizer.save_pretrained(out_dir)
         self.accelerator.wait_for_everyone()
         return out_dir

@@ -16,6 +16,7 @@ import os
 import torch
 from accelerate.utils import DistributedType
 
+from common import parallel
 from common.config import ConfigError
 
 HARNESS_ENV = "ACCELERATE_RECIPES_CPU_HARNESS"
@@ -113,9 +114,9 @@ def check_launch(accelerator, recipe: str, supports: tuple[str, ...]) -> None:
         DistributedType.FSDP: "fsdp",
         DistributedType.DEEPSPEED: "deepspeed",
     }.get(dtype)
-    pc = accelerator.parallelism_config
-    if pc is not None and pc.tp_enabled:
-        kind = "fsdp+tp" if pc.dp_shard_size > 1 else "tp"
+    mesh = parallel.layout(accelerator)
+    if mesh is not None:
+        kind = "fsdp+tp" if mesh["dp_shard"] > 1 else "tp"
     elif _flag("ACCELERATE_USE_PARALLELISM_CONFIG") and int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1")) > 1:
         raise ConfigError("the config asks for tensor parallelism but accelerate built no tensor-parallel mesh")
     if kind not in supports:

@@ -137,7 +137,9 @@ def main(argv=None):
 
             # Every step's loss, averaged over ranks. .item() is a CPU-GPU sync each step: fine
             # for the baseline; train.py batches these syncs up to one per log interval.
-            loss_value = accelerator.reduce(loss.detach(), "mean").item()
+            # New: train_step already sent the last stage's loss to every rank: no second all-reduce
+            loss_value = loss.item()
+            # End new
             summary["losses"].append({"step": step, "loss": loss_value, "lr": scheduler.get_last_lr()[0]})
             if step % cfg.log_every == 0 or step == cfg.max_steps:
                 elapsed = time.perf_counter() - interval_start
