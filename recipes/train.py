@@ -122,7 +122,7 @@ def main(argv=None):
 
     # ---- model, optimizer, schedule ----
     # Memory in use at a few points of the run, per rank: what model states really cost under each
-    # strategy (compared with common/plan.py's formulas by the tests and benchmarks/memory.py).
+    # strategy (compared with the formulas of common/plan/ by the tests and benchmarks/memory.py).
     memory_points = {"before_model": metrics.memory_in_use(accelerator.device)}
     model = modeling.build_model(cfg, len(tokenizer))
     compiled_blocks = getattr(model, "compiled_blocks", 0)  # --compile

@@ -50,7 +50,7 @@ RUNS = [
     ("train.py", "fp16.yaml", "fp16"),
     ("fp16_scaler.py", "ddp.yaml", "fp16"),
     ("accumulate_and_clip.py", "ddp.yaml", "bf16"),
-    ("train.py", "fsdp_shard_grad_op.yaml", "bf16"),  # the rest of the ladder (common/plan.py)
+    ("train.py", "fsdp_shard_grad_op.yaml", "bf16"),  # the rest of the ladder (common/plan/)
     ("train.py", "fsdp_offload.yaml", "bf16"),
     ("tensor_parallel.py", "tp.yaml", "bf16"),  # model parallelism: needs several GPUs (MIN_GPUS)
     ("train.py", "tp.yaml", "bf16"),

@@ -1,6 +1,6 @@
 """The ZeRO / FSDP ladder: every rung's config launched once with 2 CPU processes on the `small`
 preset (113.7M parameters), checked for what really ran, for training, and for its per-rank
-model-state bytes against the planner (common/plan.py) within 10%.
+model-state bytes against the planner (common/plan/) within 10%.
 
 Memory is measured inside train.py (common/metrics.memory_in_use: glibc's count of the heap in use,
 which on CPU holds every tensor, C++ buffers included) at the second step, minus the same count

@@ -1,4 +1,4 @@
-"""The memory planner (common/plan.py): model-state formulas, measured activations against the real
+"""The memory planner (common/plan/): model-state formulas, measured activations against the real
 model, the cheapest config that fits, the CLI and its bad-input messages (in-process)."""
 
 import json

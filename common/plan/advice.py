@@ -1,0 +1,205 @@
+"""The plan: one row per rung (rest, peak, host RAM, fits), the cheapest config that fits with its
+launch line, and, when nothing fits, what would (more GPUs, offload, checkpointing, smaller batches)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from common.plan.ladder import GB, LADDER, MAX_GPUS, ModelShape, Rung, ladder
+from common.plan.activations import activation_bytes, regime_of
+from common.plan.states import model_state_bytes
+
+
+@dataclass(frozen=True)
+class Request:
+    gpus: int = 1
+    gpu_memory_gb: float = 80.0
+    precision: str = "bf16"
+    seq_len: int = 256
+    micro_batch_size: int = 16
+    activation_checkpointing: bool = False
+    textbook: bool = False
+    reserve_gb: float = 2.0
+    host_memory_gb: float | None = None  # CPU RAM per machine; None: host RAM is not checked
+    gpus_per_node: int | None = None  # GPUs per machine (None: 8); processes per machine = min(gpus, this)
+
+    @property
+    def usable(self) -> float:
+        return (self.gpu_memory_gb - self.reserve_gb) * GB
+
+    @property
+    def procs_per_node(self) -> int:
+        return min(self.gpus, self.gpus_per_node or 8)
+
+
+TIGHT = 0.9  # a peak above this share of the usable GPU memory is printed "tight"
+
+
+def evaluate(model: ModelShape | float, req: Request) -> list[dict]:
+    """One row per rung, bytes per GPU (per process for host). Keys:
+    rung, states (model_state_bytes), activations (activation_bytes or None), columns (the peak's
+    composition: params, grads, optimizer, buffers, activations, logits), rest, peak (the largest of
+    the three candidates), candidates {forward_backward, optimizer_step, init}, peak_at (which one),
+    peak_in_step, host (CPU RAM per process after backward: offload), host_init (CPU RAM per process
+    while the run starts), host_per_node (max(host, host_init) x processes per machine),
+    host_fits (None when host RAM is not checked), gpu_fits, fits (bool: GPU and host), tight
+    (fits, but the peak is above TIGHT x the usable GPU memory)."""
+    shape = model if isinstance(model, ModelShape) else None
+    n_params = shape.n_params if shape else float(model)
+    rows = []
+    for rung in ladder(req.gpus):
+        states = model_state_bytes(rung, n_params, req.gpus, req.precision, shape, req.textbook)
+        dev, tr = states["at_step"]["device"], states["transient"]
+        act = (activation_bytes(shape, regime_of(rung, req.precision), req.seq_len, req.micro_batch_size,
+                                req.activation_checkpointing) if shape else None)
+        # Peak composition during forward/backward; each column's share of it. The blocks' backward
+        # transient goes with the activations, the head's (the logits' gradient) with the logits.
+        cols = dict(params=dev["params"] + tr["in_flight"] + (act["weight_copies"] if act else 0),
+                    grads=dev["grads"] + tr["backward"], optimizer=dev["optimizer"], buffers=dev["buffers"],
+                    activations=act["activations"] + act["backward_block"] if act else 0.0,
+                    logits=act["logits"] + act["backward_head"] if act else 0.0)
+        candidates = dict(forward_backward=sum(cols.values()), optimizer_step=dev["total"] + tr["optimizer_step"],
+                          init=states["at_init"]["device"]["total"])
+        peak_at = max(candidates, key=candidates.get)  # ties: forward_backward (listed first)
+        peak = candidates[peak_at]
+        host, host_init = states["at_step"]["host"]["total"], states["at_init"]["host"]["total"]
+        host_per_node = max(host, host_init) * req.procs_per_node
+        host_fits = None if req.host_memory_gb is None else host_per_node <= req.host_memory_gb * GB
+        gpu_fits = peak <= req.usable
+        fits = gpu_fits and host_fits is not False
+        rows.append(dict(rung=rung, states=states, activations=act, columns=cols, rest=states["at_rest"]["device"]
+                         ["total"], peak=peak, candidates=candidates, peak_at=peak_at,
+                         peak_in_step=peak_at == "optimizer_step", host=host, host_init=host_init,
+                         host_per_node=host_per_node, host_fits=host_fits, gpu_fits=gpu_fits, fits=fits,
+                         tight=fits and peak > TIGHT * req.usable))
+    return rows
+
+
+def cheapest(rows: list[dict]) -> dict | None:
+    """The rung to recommend: the cheapest that fits without being tight; else the cheapest tight
+    one (its row says "tight": the caller warns); None when nothing fits."""
+    return (next((r for r in rows if r["fits"] and not r["tight"]), None)
+            or next((r for r in rows if r["fits"]), None))
+
+
+def launch_line(rung: Rung, req: Request, model_args: str) -> str:
+    """The command that trains with this rung (train.py supports every config)."""
+    parts = ["accelerate launch", f"--config_file accelerate_configs/{rung.config}", f"--num_processes {req.gpus}"]
+    if req.precision != "bf16":  # every config in the ladder says bf16
+        parts.append(f"--mixed_precision {'no' if req.precision == 'fp32' else 'fp16'}")
+    if req.activation_checkpointing and rung.framework == "fsdp":
+        parts.append("--fsdp_activation_checkpointing true")  # the configs' advice: FSDP's own switch
+    parts += ["recipes/train.py", model_args, f"--seq_len {req.seq_len}", f"--micro_batch_size {req.micro_batch_size}"]
+    if req.activation_checkpointing and rung.framework != "fsdp":
+        parts.append("--gradient_checkpointing")
+    return " ".join(parts)
+
+
+def smallest_gpu_count(model, req: Request, rung: Rung) -> int | None:
+    """Fewest GPUs (> req.gpus, <= MAX_GPUS) with which `rung` fits. Per-GPU bytes never grow with
+    the GPU count, so a bisection finds it once the machines are full; below that, more GPUs put
+    more processes on one machine (host RAM grows), so those counts are tried one by one. None when
+    even MAX_GPUS is not enough (DDP never shrinks; activations and logits never shrink: each GPU
+    runs its own micro-batch)."""
+    def fits(n):
+        return any(r["fits"] for r in evaluate(model, dataclasses.replace(req, gpus=n)) if r["rung"].name == rung.name)
+
+    if rung.framework in ("single", "ddp"):
+        return None
+    full = max(req.gpus, req.gpus_per_node or 8)  # from here on, processes per machine stay the same
+    if req.host_memory_gb is not None:
+        found = next((n for n in range(req.gpus + 1, min(full, MAX_GPUS) + 1) if fits(n)), None)
+        if found:
+            return found
+    if not fits(MAX_GPUS):
+        return None
+    lo, hi = (full if req.host_memory_gb is not None else req.gpus), MAX_GPUS  # fits(hi) holds, fits(lo) not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
+
+
+def more_gpus(model, req: Request, model_args: str, offload: bool = True) -> str:
+    """The smallest GPU count that fits, for the rung that needs the fewest (cheaper on ties)."""
+    counts = [(n, i, r) for i, r in enumerate(LADDER)
+              if (offload or not r.offload) and (n := smallest_gpu_count(model, req, r))]
+    if not counts:
+        return (f"  - more GPUs: no {'' if offload else 'non-offload '}config fits with up to {MAX_GPUS} GPUs "
+                "(activations and logits do not shrink with more GPUs: each GPU runs its own micro-batch)")
+    n, _, rung = min(counts)
+    per = req.gpus_per_node or 8
+    nodes = (f" ({math.ceil(n / per)} nodes of {per}: add --num_machines/--machine_rank/--main_process_ip)"
+             if n > per else "")
+    return (f"  - more GPUs: {n} x {req.gpu_memory_gb:g} GB with {rung.config}{nodes}\n"
+            f"      {launch_line(rung, dataclasses.replace(req, gpus=n), model_args)}")
+
+
+def advice(model, req: Request, model_args: str) -> list[str]:
+    """When nothing fits: try each lever concretely and say which ones work, with launch lines."""
+    lines = []
+    shape = model if isinstance(model, ModelShape) else None
+
+    def host_short(r: dict) -> str:
+        return (f"needs {r['host_per_node'] / GB:.1f} GB of CPU RAM per machine ({req.procs_per_node} x "
+                f"{max(r['host'], r['host_init']) / GB:.1f} GB), more than --host_memory_gb {req.host_memory_gb:g}")
+
+    def report(what, new_req):
+        rows = evaluate(model, new_req)
+        best = cheapest(rows)
+        if best:
+            tight = f", tight: above {TIGHT:.0%} of usable" if best["tight"] else ""
+            lines.append(f"  - {what}: {best['rung'].config} fits (peak {best['peak'] / GB:.1f} GB{tight})")
+            lines.append(f"      {launch_line(best['rung'], new_req, model_args)}")
+        elif (gpu_only := next((r for r in rows if r["gpu_fits"]), None)):
+            lines.append(f"  - {what}: still does not fit ({gpu_only['rung'].config} would fit the GPU, peak "
+                         f"{gpu_only['peak'] / GB:.1f} GB, but {host_short(gpu_only)})")
+        else:
+            lines.append(f"  - {what}: still does not fit")
+        return best
+
+    lines.append(more_gpus(model, req, model_args))
+    if (gpu_only := next((r for r in evaluate(model, req) if r["gpu_fits"]), None)):
+        lines.append(f"  - more CPU RAM: {gpu_only['rung'].config} fits the GPUs (peak {gpu_only['peak'] / GB:.1f} GB) "
+                     f"with {gpu_only['host_per_node'] / GB:.1f} GB of CPU RAM per machine (--host_memory_gb)")
+    if shape is None:
+        lines.append("  - micro-batch / activation checkpointing: unknown without the model's shape")
+        return lines
+    # Offload: what the GPU would still hold.
+    off = [r for r in evaluate(model, req) if r["rung"].offload]
+    best_off = min(off, key=lambda r: r["peak"])
+    states = best_off["columns"]["params"] + best_off["columns"]["grads"] + best_off["columns"]["buffers"]
+    if best_off["gpu_fits"]:  # then host RAM is what fails
+        lines.append(f"  - offload ({best_off['rung'].config}) fits the GPU (peak {best_off['peak'] / GB:.1f} GB) but "
+                     f"{host_short(best_off)}")
+    else:
+        host = f"; and it {host_short(best_off)}" if best_off["host_fits"] is False else ""
+        lines.append(f"  - offload alone ({best_off['rung'].config}): still {best_off['peak'] / GB:.1f} GB per GPU, "
+                     f"of which {(best_off['columns']['activations'] + best_off['columns']['logits']) / GB:.1f} GB "
+                     f"activations + logits and {states / GB:.1f} GB parameters/gradients in flight: does not fit"
+                     f"{host}")
+    ac_works = not req.activation_checkpointing and report("activation checkpointing",
+                                                              dataclasses.replace(req, activation_checkpointing=True))
+
+    def largest_micro(r: Request) -> int | None:
+        return next((m for m in range(r.micro_batch_size - 1, 0, -1)
+                     if cheapest(evaluate(model, dataclasses.replace(r, micro_batch_size=m)))), None)
+
+    micro = largest_micro(req) if req.micro_batch_size > 1 else None
+    if micro:
+        k = math.ceil(req.micro_batch_size / micro)
+        report(f"micro_batch_size {micro} (with --gradient_accumulation_steps {k}: at least the same batch)",
+               dataclasses.replace(req, micro_batch_size=micro))
+    elif req.micro_batch_size > 1:
+        lines.append("  - smaller micro-batch: not even micro_batch_size 1 fits")
+    if not (ac_works or micro or req.activation_checkpointing):  # neither lever alone: both together
+        both = dataclasses.replace(req, activation_checkpointing=True)
+        if (micro := largest_micro(both)):
+            report(f"activation checkpointing + micro_batch_size {micro}", dataclasses.replace(both, micro_batch_size=micro))
+        else:
+            report("activation checkpointing + micro_batch_size 1", dataclasses.replace(both, micro_batch_size=1))
+    return lines
+
+
