@@ -317,6 +317,15 @@ def export_pretrained(accelerator, model, tokenizer, out_dir: str | Path) -> Pat
         # from every rank's partition (needs stage3_gather_16bit_weights_on_model_save).
         state_dict = accelerator.get_state_dict(model)
     unwrapped = accelerator.unwrap_model(model)
+    state_dict = _without_tied_copies(unwrapped, state_dict)
+    # The tokenizer's special ids, not the architecture's defaults (a preset Llama says eos=2, which
+    # is the byte tokenizer's <unk>): `generate` on the exported folder then stops where training did.
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        token_id = getattr(tokenizer, name)
+        if token_id is not None:
+            setattr(unwrapped.config, name, token_id)
+            if unwrapped.generation_config is not None:
+                setattr(unwrapped.generation_config, name, token_id)
     unwrapped.save_pretrained(
         out_dir,
         state_dict=state_dict,
@@ -327,6 +336,18 @@ def export_pretrained(accelerator, model, tokenizer, out_dir: str | Path) -> Pat
         tokenizer.save_pretrained(out_dir)
     accelerator.wait_for_everyone()
     return out_dir
+
+
+def _without_tied_copies(model, state_dict: dict) -> dict:
+    """One entry per tied table. FSDP2's full state dict gathers a tied weight once per name
+    (GPT-2's wte and lm_head, as two equal tensors), and save_pretrained, which recognises tied
+    weights by shared storage, would then store the table twice."""
+    output = model.get_output_embeddings()
+    if not state_dict or output is None or output.weight is not model.get_input_embeddings().weight:
+        return state_dict
+    names = [name for name, param in model.named_parameters(remove_duplicate=False) if param is output.weight]
+    keep = next(name for name, param in model.named_parameters() if param is output.weight)  # the first name
+    return {key: value for key, value in state_dict.items() if key == keep or key not in names}
 
 
 @torch.no_grad()

@@ -5,7 +5,11 @@ Sources, first match wins:
   --data_files a.txt b.txt | a.jsonl   local files through `datasets` (.txt: one document per
                                        blank-line-separated paragraph; .json/.jsonl: --text_column)
   --dataset_name NAME [--dataset_config C]  a Hub dataset (or a local dataset folder)
-  (nothing)                            the embedded synthetic corpus, generated here, no download
+  (nothing)                            --builtin_corpus: tiny Shakespeare, shipped in common/corpus/
+                                       (default), or a generated toy language; no download either way
+
+Held out: the last 10% of tiny Shakespeare's characters (nanoGPT's split, so losses compare), or
+a fixed random 2% of the documents of any other source (--eval_fraction changes either).
 
 Packing: every document is tokenised without special tokens and followed by EOS; the documents
 are concatenated into one token stream on disk (a uint16/uint32 memmap, nanoGPT-style), and block i
@@ -16,6 +20,7 @@ duplicated or padded; only the final partial block (< T+1 tokens) is dropped.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -26,6 +31,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from common.config import ConfigError, TrainConfig
+
+SHAKESPEARE = Path(__file__).parent / "corpus" / "tinyshakespeare.txt"  # provenance: corpus/README.md
+SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+SHAKESPEARE_EVAL_FRACTION = 0.1  # nanoGPT's shakespeare_char: train on the first 90%, validate on the rest
+DEFAULT_EVAL_FRACTION = 0.02  # other sources: documents held out at random (fixed seed)
 
 # Bump when the generator changes: the cached corpus files are keyed on it.
 SYNTHETIC_VERSION = 1
@@ -103,6 +113,17 @@ def _synthetic_file(num_documents: int) -> Path:
     return path
 
 
+def shakespeare_split(eval_fraction: float | None = None) -> tuple[str, str]:
+    """Tiny Shakespeare as it is (blank lines between speeches kept: a model learns to write them),
+    cut by characters into the first (1 - eval_fraction) for training and the rest held out."""
+    raw = SHAKESPEARE.read_bytes()
+    if hashlib.sha256(raw).hexdigest() != SHAKESPEARE_SHA256:  # a damaged or edited copy: results would not compare
+        raise ConfigError(f"{SHAKESPEARE} is not the shipped tiny Shakespeare (sha256 differs; see corpus/README.md)")
+    text = raw.decode("ascii")
+    cut = int(len(text) * (1 - (eval_fraction or SHAKESPEARE_EVAL_FRACTION)))
+    return text[:cut], text[cut:]
+
+
 # ----------------------------------------------------------------------------------------------
 # Tokenizer and raw documents
 # ----------------------------------------------------------------------------------------------
@@ -120,6 +141,11 @@ def build_tokenizer(cfg: TrainConfig):
         raise ConfigError(f"cannot load tokenizer from {name}: {str(err).splitlines()[0]}") from None
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"tokenizer {name} has no EOS token to separate packed documents")
+    if not tokenizer("The text", add_special_tokens=False).input_ids:
+        # e.g. transformers picks the model type's own tokenizer class over the one the folder's
+        # tokenizer_config.json names, and that class finds none of its vocabulary files
+        raise ConfigError(f"the tokenizer loaded from {name} ({type(tokenizer).__name__}, {len(tokenizer)} tokens) "
+                          "encodes text to no tokens; give a working one with --tokenizer_name_or_path")
     return tokenizer
 
 
@@ -167,6 +193,8 @@ def _load_documents(cfg: TrainConfig):
         except Exception as err:  # offline, unknown name, bad config: all user-facing
             raise ConfigError(f"cannot load dataset {cfg.dataset_name}: {str(err).splitlines()[0]}") from None
         source = cfg.dataset_name
+    elif cfg.builtin_corpus == "shakespeare":
+        return datasets.Dataset.from_dict({"text": list(shakespeare_split(cfg.eval_fraction))})
     else:
         path = _synthetic_file(cfg.synthetic_documents)
         ds = datasets.load_dataset("json", data_files=str(path), split="train")
@@ -281,7 +309,11 @@ def build_datasets(cfg: TrainConfig, tokenizer):
     docs = load_documents(cfg)
     if len(docs) < 2:
         raise ConfigError("need at least 2 documents to hold some out for eval")
-    split = docs.train_test_split(test_size=cfg.eval_fraction, seed=SPLIT_SEED, shuffle=True)
+    if _is_shakespeare(cfg):  # two documents: the first 90% of the text and the held-out rest
+        split = {"train": docs.select([0]), "test": docs.select([1])}
+    else:
+        split = docs.train_test_split(test_size=cfg.eval_fraction or DEFAULT_EVAL_FRACTION, seed=SPLIT_SEED,
+                                      shuffle=True)
     if not cfg.packing:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return tuple(PaddedDocuments(tokenize_documents(split[part], tokenizer, name), cfg.seq_len, pad_id)
@@ -292,6 +324,10 @@ def build_datasets(cfg: TrainConfig, tokenizer):
         if len(ds) == 0:
             raise ConfigError(f"the {name} split has fewer than seq_len+1={cfg.seq_len + 1} tokens")
     return train, held_out
+
+
+def _is_shakespeare(cfg: TrainConfig) -> bool:
+    return not cfg.data_files and not cfg.dataset_name and cfg.builtin_corpus == "shakespeare"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -6,7 +6,9 @@ byte-level one), so parameter counts below are with that vocabulary:
 
     preset  layers  hidden  heads/kv  mlp     positions  params (byte vocab)
     debug   2       64      4/2       176     256        ~0.1M   (tests)
-    tiny    4       256     4/4       704     1024       ~3.3M   (default; CPU-sized)
+    mini    4       128     4/4       344     1024       ~0.86M  (default: the most Shakespeare a 2-core CPU
+                                                                  learns in 3 minutes; nanoGPT's CPU shape)
+    tiny    4       256     4/4       704     1024       ~3.3M   (CPU-sized)
     small   12      768     12/12     3072    2048       ~114M   (GPT-2-small-like, ~125M with a 8k vocab)
     1b      16      2048    32/8      8192    4096       ~0.97B  (Llama-3.2-1B shape)
     8b      32      4096    32/8      14336   8192       ~7.0B   (Llama-3-8B shape; 8.0B with its 128k vocab)
@@ -23,6 +25,8 @@ from common.config import ConfigError, TrainConfig
 PRESETS: dict[str, dict] = {
     "debug": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=176, max_position_embeddings=256),
+    "mini": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                 intermediate_size=344, max_position_embeddings=1024),
     "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
                  intermediate_size=704, max_position_embeddings=1024),
     "small": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
@@ -144,18 +148,62 @@ def _split_by_mesh(params: list) -> list[list]:
     return list(by_mesh.values()) or [params]
 
 
+def text_config(config):
+    """The language model's part of a config (multimodal configs nest it; a causal LM's is itself)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def dimensions(config) -> dict:
+    """Layers, width, heads and head size under the names every family maps them to.
+
+    transformers' `attribute_map` already turns most families' own names into these (GPT-2's
+    n_layer, n_embd, n_head). A family whose config lacks one of them is refused with one line."""
+    text = text_config(config)
+    missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads") if getattr(text, k, None) is None]
+    if missing:
+        raise ConfigError(f"{type(text).__name__} has no {', '.join(missing)}: cannot estimate FLOPs per token "
+                          "for this model family")
+    heads = text.num_attention_heads
+    return {"layers": text.num_hidden_layers, "hidden": text.hidden_size, "heads": heads,
+            "kv_heads": getattr(text, "num_key_value_heads", None) or heads,
+            "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads}
+
+
+def meta_model(config) -> nn.Module:
+    """The model class of a config with no memory behind its weights (the meta device): its
+    structure and parameter shapes for planning and checks, in milliseconds even for 8B."""
+    from accelerate.state import AcceleratorState, is_initialized
+
+    plugin = AcceleratorState().deepspeed_plugin if is_initialized() else None
+    if plugin is None:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    # Under ZeRO-3 transformers builds every model inside deepspeed.zero.Init and initialises its
+    # weights there, which a meta-device model cannot take: hide DeepSpeed's config from transformers
+    # while this one is built, then give it back as accelerate set it.
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    finally:
+        plugin.set_deepspeed_weakref()
+
+
 def matmul_params(config) -> int:
-    """N for FLOPs: every weight a token multiplies through, i.e. all parameters except the input
-    embedding table (a lookup, no FLOPs) but including the output projection (a matmul even when
-    it is tied to the input embedding). Norm gains are included; they are negligible."""
-    h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or h // heads
-    attn = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h
-    mlp = 3 * h * config.intermediate_size  # gate, up, down
-    norms = 2 * h
-    return layers * (attn + mlp + norms) + h + vocab * h  # + final norm + lm_head
+    """N for FLOPs: every weight a token multiplies through, i.e. all parameters except embedding
+    tables (token and learned position embeddings: lookups, no FLOPs), but including the output
+    projection (a matmul even when it is tied to the input embedding). Counted from the real model
+    class on the meta device, so it holds for any family: gated or plain MLPs, biases, GPT-2's
+    Conv1D. Norm gains and biases are included; they are negligible."""
+    model = meta_model(config)
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    n = sum(p.numel() for p in model.parameters() if id(p) not in tables)  # parameters() lists a tied weight once
+    output = model.get_output_embeddings()
+    if output is not None and id(output.weight) in tables:  # tied: the shared table is also the output matmul
+        n += output.weight.numel()
+    return n
 
 
 def flops_per_token(config, seq_len: int) -> float:
@@ -164,11 +212,33 @@ def flops_per_token(config, seq_len: int) -> float:
     6N: forward (2 FLOPs per multiply-add) plus backward (twice the forward) through the N weights
     of matmul_params(). 12*L*H*Q*T: the attention scores and the weighted sum (QK^T and AV) over
     T positions in L layers with H heads of size Q, forward plus backward, not halved for the
-    causal mask (flash/SDPA kernels skip the masked half, so this slightly overstates MFU there).
+    causal mask (flash/SDPA kernels skip the masked half, so this slightly overstates MFU there)
+    nor capped at a sliding window (Mistral-style local attention: overstated for T > window).
     """
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return 6 * matmul_params(config) + 12 * config.num_hidden_layers * heads * head_dim * seq_len
+    dims = dimensions(config)
+    return 6 * matmul_params(config) + 12 * dims["layers"] * dims["heads"] * dims["head_dim"] * seq_len
+
+
+def class_name(model: nn.Module) -> str:
+    """The model's own class, also once FSDP2 has swapped it for a FSDP<Class> subclass."""
+    return next(c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))
+
+
+def embeddings_tied(model: nn.Module) -> bool:
+    """Whether the LM head multiplies by the input embedding table itself (one shared parameter)."""
+    output = model.get_output_embeddings()
+    return output is not None and output.weight is model.get_input_embeddings().weight
+
+
+def block_classes(config) -> list[str]:
+    """The model's transformer block classes (`_no_split_modules`, e.g. GPT2Block, Qwen2DecoderLayer):
+    what FSDP2 shards as one unit and --compile compiles."""
+    return sorted(getattr(meta_model(config), "_no_split_modules", None) or [])
+
+
+def module_classes(config) -> list[str]:
+    """Every module class the model contains, by name."""
+    return sorted({type(m).__name__ for m in meta_model(config).modules()})
 
 
 def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, reduction: str = "mean"):
@@ -179,3 +249,34 @@ def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tens
     return nn.functional.cross_entropy(
         logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100, reduction=reduction
     )
+
+
+@torch.no_grad()
+def sample_text(accelerator, model: nn.Module, tokenizer, prompt: str, max_new_tokens: int, seed: int,
+                temperature: float = 0.8, top_k: int = 200) -> str:
+    """A continuation of `prompt` by the model being trained, through transformers' `generate`
+    (temperature and top-k as nanoGPT's sample.py), to read what the model has learned.
+
+    Call on every rank: a sharded model (FSDP2, ZeRO-3, TP) needs all ranks in each forward, and
+    with the same seed every rank draws the same tokens. The global RNG is forked, so sampling in
+    the middle of a run leaves the training's random stream (and so exact resume) untouched."""
+    from accelerate.utils import DistributedType
+
+    unwrapped = accelerator.unwrap_model(model)
+    was_training = unwrapped.training
+    unwrapped.eval()
+    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids.to(accelerator.device)
+    devices = [accelerator.device] if accelerator.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), accelerator.autocast():
+        torch.manual_seed(seed)
+        out = unwrapped.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=True,
+            temperature=temperature, top_k=top_k, use_cache=True,
+            remove_invalid_values=True,  # a diverged model (NaN/inf logits) still samples instead of crashing
+            eos_token_id=None,  # always max_new_tokens: go on past a document's end (EOS is not printed)
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+            # ZeRO-3: a rank that stopped early must keep joining the others' parameter gathers
+            synced_gpus=accelerator.distributed_type == DistributedType.DEEPSPEED and accelerator.num_processes > 1,
+        )
+    unwrapped.train(was_training)
+    return tokenizer.decode(out[0], skip_special_tokens=True)

@@ -67,9 +67,14 @@ def check(accelerator, cfg, model_config, recipe: str) -> None:
         raise ConfigError(f"{recipe}: fp16 is not supported with tensor parallelism (no loss scaler here); use bf16")
     if getattr(cfg, "compile", False):
         raise ConfigError(f"{recipe}: --compile is not tested with tensor parallelism here; run without it")
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    if not getattr(text, "base_model_tp_plan", None):
+        raise ConfigError(f"{recipe}: the {type(text).__name__.replace('Config', '')} model declares no tensor-parallel "
+                          "plan (base_model_tp_plan in its transformers config), so tensor parallelism cannot "
+                          "split it; use a data-parallel or FSDP config")
     tp = shape["tp"]
     for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        value = getattr(model_config, key, None)
+        value = getattr(text, key, None)
         if value is not None and value % tp:
             raise ConfigError(f"{recipe}: tp_size {tp} does not divide the model's {key} ({value}); "
                               "choose a tp_size that divides heads, key/value heads and the MLP width")

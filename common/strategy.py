@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 import torch
+import yaml
 from accelerate.utils import DistributedType
 
 from common import parallel
@@ -41,8 +42,58 @@ def requested() -> dict:
     }
 
 
-def fsdp_plugin():
+def _launcher_set_threads() -> bool:
+    """Whether the user gave `accelerate launch` a thread count: --num_cpu_threads_per_process,
+    OMP_NUM_THREADS in its environment, or num_cpu_threads_per_process in its config file. Read from
+    the launcher's own command line and environment (Linux /proc): the worker sees OMP_NUM_THREADS=1
+    whether the user chose 1 or accelerate defaulted to it."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        with open(f"/proc/{os.getppid()}/environ", "rb") as f:
+            environ = f.read().split(b"\0")
+    except OSError:  # no /proc (macOS): take accelerate's 1 for a default
+        return False
+    if any(a.startswith(b"--num_cpu_threads_per_process") for a in argv) or any(
+            e.startswith(b"OMP_NUM_THREADS=") for e in environ):
+        return True
+    args = [a.decode(errors="replace") for a in argv]
+    config_file = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--config_file"), None)
+    config_file = config_file or next((a.split("=", 1)[1] for a in args if a.startswith("--config_file=")), None)
+    if config_file is None:
+        from accelerate.commands.config import default_config_file as config_file
+    try:
+        with open(config_file) as f:
+            launch_config = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(launch_config, dict) and "num_cpu_threads_per_process" in launch_config
+
+
+def use_available_cores() -> None:
+    """One CPU process launched without a thread count gets every core it may use.
+
+    `accelerate launch` without a config file starts one CPU process with OMP_NUM_THREADS=1 (its
+    default), which trains the default job at about half the speed two cores give. A thread count
+    the user chose (launcher option, OMP_NUM_THREADS, a config's num_cpu_threads_per_process) stands,
+    and so does accelerate's split of the cores between several processes.
+    """
+    if torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return
+    launched_by_accelerate = "ACCELERATE_MIXED_PRECISION" in os.environ
+    if not launched_by_accelerate or os.environ.get("OMP_NUM_THREADS") != "1" or _launcher_set_threads():
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(cores)
+
+
+def fsdp_plugin(model_config=None):
     """FSDP2 settings the YAML cannot express, or None when FSDP is not requested.
+
+    The shard unit: the block classes the YAML names (fsdp_transformer_layer_cls_to_wrap), else the
+    model's own (`_no_split_modules`: LlamaDecoderLayer, GPT2Block, Qwen2DecoderLayer...), so the
+    configs name no model class. Checked here against `model_config`'s model, before anything heavy:
+    accelerate would otherwise raise deep inside `prepare`, or shard the whole model as one unit.
 
     Gradient reduction in fp32: with `mixed_precision: bf16` accelerate reduces gradients in bf16
     (8-bit mantissa), summing N ranks' contributions at that precision. fp32 reduction doubles the
@@ -54,6 +105,8 @@ def fsdp_plugin():
     from accelerate import FullyShardedDataParallelPlugin
 
     kwargs = {}
+    if model_config is not None and os.environ.get("FSDP_AUTO_WRAP_POLICY") == "TRANSFORMER_BASED_WRAP":
+        kwargs["transformer_cls_names_to_wrap"] = _blocks_to_wrap(model_config)
     if _flag("FSDP_OFFLOAD_PARAMS"):
         # accelerate builds CPUOffloadPolicy() with pinned host memory, which needs a GPU: without one
         # the first copy fails ("Cannot access accelerator device"). Pin only where there is a GPU.
@@ -68,6 +121,26 @@ def fsdp_plugin():
         kwargs["mixed_precision_policy"] = MixedPrecisionPolicy(
             param_dtype=compute, reduce_dtype=torch.float32, output_dtype=compute)
     return FullyShardedDataParallelPlugin(**kwargs)
+
+
+def _blocks_to_wrap(model_config) -> list[str]:
+    from common.model import block_classes, module_classes
+
+    model = type(model_config).__name__.replace("Config", "")
+    named = [n.strip() for n in os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "").split(",") if n.strip()]
+    if not named:
+        named = block_classes(model_config)
+        if not named:
+            raise ConfigError(f"the {model} model declares no transformer block class (_no_split_modules) for FSDP "
+                              "to shard by: set fsdp_transformer_layer_cls_to_wrap in the config")
+        return named
+    contained = module_classes(model_config)
+    missing = [n for n in named if n not in contained]
+    if missing:
+        raise ConfigError(f"fsdp_transformer_layer_cls_to_wrap names {', '.join(missing)}, which the {model} model "
+                          f"does not contain; its classes: {', '.join(contained)} (leave the key out to shard by "
+                          f"its own blocks, {', '.join(block_classes(model_config)) or 'none declared'})")
+    return named
 
 
 def check_launch(accelerator, recipe: str, supports: tuple[str, ...]) -> None:

@@ -60,7 +60,7 @@ def main(argv=None):
     # accumulation window does not force an early optimizer step.
     plugin = GradientAccumulationPlugin(num_steps=cfg.gradient_accumulation_steps, sync_with_dataloader=False)
     accelerator = Accelerator(step_scheduler_with_optimizer=False, gradient_accumulation_plugin=plugin,
-                              fsdp_plugin=strategy.fsdp_plugin())
+                              fsdp_plugin=strategy.fsdp_plugin(modeling.model_config(cfg)))
     strategy.check_launch(accelerator, Path(__file__).name, supports=("single", "ddp", "fsdp", "deepspeed"))
     strategy.configure_deepspeed(accelerator, cfg)
     # End new

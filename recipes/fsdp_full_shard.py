@@ -5,9 +5,9 @@
         --config_file accelerate_configs/fsdp.yaml --num_processes 2 --mixed_precision no \
         recipes/fsdp_full_shard.py --preset debug                                  # CPU, gloo
 
-What FSDP2 does: accelerate applies torch's `fully_shard` to every LlamaDecoderLayer and to the
-root model. Each parameter becomes a DTensor sharded on dim 0 (rank r keeps rows r/N..(r+1)/N).
-Before a layer runs, its parameters are all-gathered; with reshard_after_forward (full shard)
+What FSDP2 does: accelerate applies torch's `fully_shard` to every transformer block (the model's
+own class: LlamaDecoderLayer, GPT2Block, Qwen2DecoderLayer...) and to the root model. Each
+parameter becomes a DTensor sharded on dim 0 (rank r keeps rows r/N..(r+1)/N). Before a layer runs, its parameters are all-gathered; with reshard_after_forward (full shard)
 they are freed right after its forward and gathered again for its backward; its gradients are
 reduce-scattered so each rank keeps only the gradient of its own shard, and AdamW updates only
 that shard.
@@ -48,9 +48,11 @@ def main(argv=None):
 
     # Mixed precision, device and process count come from the launch config. The LR schedule is
     # stepped by us once per optimizer step (accelerate would step it world_size times).
-    # New: FSDP2 from the launch config, plus fp32 gradient reduction (common/strategy.py). This
-    # recipe is about full shard: a config with fsdp_reshard_after_forward: false is refused.
-    accelerator = Accelerator(step_scheduler_with_optimizer=False, fsdp_plugin=strategy.fsdp_plugin())
+    # New: FSDP2 from the launch config, plus fp32 gradient reduction and one shard unit per block of
+    # the model's own class (common/strategy.py). This recipe is about full shard: a config with
+    # fsdp_reshard_after_forward: false is refused.
+    accelerator = Accelerator(step_scheduler_with_optimizer=False,
+                              fsdp_plugin=strategy.fsdp_plugin(modeling.model_config(cfg)))
     strategy.check_launch(accelerator, Path(__file__).name, supports=("fsdp",))
     if not accelerator.state.fsdp_plugin.reshard_after_forward:
         raise config.ConfigError(f"{Path(__file__).name} needs fsdp_reshard_after_forward: true (full shard)")

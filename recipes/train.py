@@ -1,6 +1,6 @@
 """The complete recipe: trains a causal LM with whatever strategy the launch config names.
 
-    accelerate launch recipes/train.py                       # CPU or 1 GPU, embedded data, no download
+    accelerate launch recipes/train.py                       # CPU or 1 GPU, tiny Shakespeare, no download
     accelerate launch --config_file accelerate_configs/cpu.yaml recipes/train.py --preset debug
     accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/train.py --preset small
 
@@ -10,7 +10,11 @@
 Options: `python recipes/train.py --help` (or a YAML file with --config). Data flow, in order:
 config -> Accelerator (+ start-up guard) -> tokenizer -> data -> model -> prepare -> resume ->
 loop (forward, loss, backward, clip, step, schedule, log, eval, checkpoint) -> Hugging Face export
--> run_summary.json.
+-> a sample of generated text -> run_summary.json.
+
+Models: a random-init Llama preset, or any causal LM folder or Hub id (--model_name_or_path: Llama,
+Qwen, Mistral, GPT-2, GPT-NeoX, Gemma...): FSDP2 shards by the model's own block class, FLOPs are
+counted from its real parameters, tied embeddings stay tied, TP uses the model's declared plan.
 
 Features: every config in accelerate_configs/ (single process, DDP, FSDP2, DeepSpeed ZeRO-1/2/3,
 tensor parallel and 2D FSDP2 x TP from parallelism_config: common/parallel.py);
@@ -61,6 +65,7 @@ def main(argv=None):
     # ---- config: every check that needs no model runs here, before anything heavy ----
     cfg = config.parse_config(argv)
     modeling.check_seq_len(cfg)
+    strategy.use_available_cores()  # accelerate's default for one CPU process is one thread
     # From here on a SIGTERM/SIGUSR1 means "save and stop after this step", not "die now".
     watch = preemption.PreemptionWatch().install() if cfg.save_on_preemption else preemption.PreemptionWatch()
 
@@ -72,7 +77,7 @@ def main(argv=None):
     accelerator = Accelerator(
         gradient_accumulation_plugin=plugin,
         step_scheduler_with_optimizer=False,
-        fsdp_plugin=strategy.fsdp_plugin(),  # None unless the config asks for FSDP
+        fsdp_plugin=strategy.fsdp_plugin(modeling.model_config(cfg)),  # None unless the config asks for FSDP
         log_with=cfg.report_to or None,  # trackers see only redacted options (common/tracking.py)
         project_dir=cfg.output_dir,
         kwargs_handlers=[
@@ -141,7 +146,10 @@ def main(argv=None):
     summary = {
         "recipe": "train.py",
         "setup": setup,
-        "model": {"parameters": num_params, "flops_per_token": flops_per_token, "compiled_blocks": compiled_blocks},
+        "model": {"class": modeling.class_name(accelerator.unwrap_model(model)), "parameters": num_params,
+                  "flops_per_token": flops_per_token, "compiled_blocks": compiled_blocks,
+                  # GPT-2-style models share the input embedding with the LM head: still one tensor after prepare?
+                  "tied_embeddings": modeling.embeddings_tied(accelerator.unwrap_model(model))},
         "peak_flops_per_device": peak,
         "data": {
             "train_blocks": len(train_set),
@@ -153,6 +161,7 @@ def main(argv=None):
         "optimizer_groups": metrics.optimizer_facts(optimizer),
         "losses": [],
         "eval": [],
+        "samples": [],
         "throughput": [],
     }
     if tensor_parallel:  # the mesh, and how each parameter is split on it (rank 0's shards)
@@ -170,6 +179,15 @@ def main(argv=None):
         accelerator.log({"eval/loss": result["loss"], "eval/perplexity": result["perplexity"]}, step=step)
         if accelerator.is_main_process:
             tqdm.write(f"step {step}: eval loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f}")
+        if cfg.sample_at_eval and cfg.sample_length:
+            run_sample(step)
+
+    def run_sample(step):
+        """What the model writes now: read it to judge the run, not only its loss."""
+        text = modeling.sample_text(accelerator, model, tokenizer, cfg.sample_prompt, cfg.sample_length, cfg.seed)
+        summary["samples"].append({"step": step, "prompt": cfg.sample_prompt, "text": text})
+        if accelerator.is_main_process:
+            tqdm.write(f"step {step}: sample ({cfg.sample_length} tokens from {cfg.sample_prompt!r}):\n{text}\n")
 
     # ---- resume: model, optimizer, schedule, scaler, RNG of every rank, data position ----
     start_step, epoch, skip = 0, 0, 0
@@ -326,6 +344,9 @@ def main(argv=None):
     bar.close()
     if start_step >= cfg.max_steps and cfg.eval_every > 0:  # nothing trained: still report the final model
         run_eval(cfg.max_steps)
+    sampled_at_end = bool(summary["samples"]) and summary["samples"][-1]["step"] == cfg.max_steps  # --sample_at_eval
+    if cfg.sample_length and not preempted and not sampled_at_end:  # what the final model writes
+        run_sample(cfg.max_steps)
     if cfg.log_sample_ids:
         summary["sample_ids_per_rank"] = gather_object([sample_ids]) if accelerator.num_processes > 1 else [sample_ids]
     summary["skipped_steps"] = {"nonfinite_loss": skipped_nonfinite, "fp16_overflow": skipped_overflow}

@@ -22,8 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 
 # The debug preset, small enough that a launched run takes seconds on 2 CPU cores.
-DEBUG_ARGS = ["--preset", "debug", "--seq_len", "64", "--micro_batch_size", "8", "--synthetic_documents", "2000",
-              "--max_steps", "60", "--warmup_steps", "6", "--eval_every", "30", "--log_every", "10"]
+DEBUG_ARGS = ["--preset", "debug", "--seq_len", "64", "--micro_batch_size", "8", "--builtin_corpus", "synthetic",
+              "--synthetic_documents", "2000",
+              "--max_steps", "60", "--warmup_steps", "6", "--eval_every", "30", "--log_every", "10",
+              "--sample_length", "32"]
 
 
 @pytest.fixture(scope="session")

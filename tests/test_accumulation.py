@@ -31,7 +31,7 @@ def step_args(initial, micro_batch, accum, out):
     # update is ~lr * sign(gradient), blind to the gradient's size; with eps = 1 >> |gradient| it
     # is ~lr * gradient, so the updated weights show any difference in the gradients.
     return ["--model_name_or_path", str(initial), "--packing", "false", "--seq_len", "512",
-            "--synthetic_documents", "2000", "--micro_batch_size", str(micro_batch),
+            "--builtin_corpus", "synthetic", "--synthetic_documents", "2000", "--micro_batch_size", str(micro_batch),
             "--gradient_accumulation_steps", str(accum),
             "--max_steps", "3", "--warmup_steps", "0", "--lr_schedule", "constant", "--lr", "1.0",
             "--adam_eps", "1.0", "--weight_decay", "0", "--max_grad_norm", str(MAX_GRAD_NORM),
@@ -105,7 +105,8 @@ def test_the_workload_can_tell_normalisations_apart(tmp_path, monkeypatch, initi
     import datasets
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path)
-    cfg = TrainConfig(model_name_or_path=str(initial_tiny), packing=False, seq_len=512, synthetic_documents=2000)
+    cfg = TrainConfig(model_name_or_path=str(initial_tiny), packing=False, seq_len=512, builtin_corpus="synthetic",
+                      synthetic_documents=2000)
     train, _ = build_datasets(cfg, build_tokenizer(cfg))
     rows = [train[i] for i in range(8)]
     targets = [int((r["labels"] != -100).sum()) for r in rows]
@@ -128,7 +129,8 @@ def test_the_workload_can_tell_normalisations_apart(tmp_path, monkeypatch, initi
 def test_nonfinite_losses_are_skipped_and_counted(tmp_path, hf_home):
     """lr 1e9 blows the weights up after step 1; every later loss is NaN. Each such step is
     skipped (no NaN reaches the weights) and counted."""
-    args = ["--preset", "debug", "--seq_len", "64", "--micro_batch_size", "8", "--synthetic_documents", "2000",
+    args = ["--preset", "debug", "--seq_len", "64", "--micro_batch_size", "8", "--builtin_corpus", "synthetic",
+            "--synthetic_documents", "2000",
             "--max_steps", "6", "--warmup_steps", "0", "--lr_schedule", "constant", "--lr", "1e9",
             "--eval_every", "0", "--log_every", "1", "--max_nonfinite_steps", "100", "--output_dir", str(tmp_path)]
     summary = Run(tmp_path, launch("train.py", args, hf_home)).summary
@@ -140,7 +142,8 @@ def test_nonfinite_losses_are_skipped_and_counted(tmp_path, hf_home):
 
 
 def test_nonfinite_losses_in_a_row_stop_the_run(tmp_path, hf_home):
-    args = ["--preset", "debug", "--seq_len", "64", "--micro_batch_size", "8", "--synthetic_documents", "2000",
+    args = ["--preset", "debug", "--seq_len", "64", "--micro_batch_size", "8", "--builtin_corpus", "synthetic",
+            "--synthetic_documents", "2000",
             "--max_steps", "30", "--warmup_steps", "0", "--lr_schedule", "constant", "--lr", "1e9",
             "--eval_every", "0", "--output_dir", str(tmp_path / "out")]
     proc = launch("train.py", args, hf_home, check=False)

@@ -71,7 +71,7 @@ def test_bad_input_through_accelerate_launch(tmp_path, hf_home):
     proc = launch("train.py", ["--preset", "huge", "--output_dir", str(tmp_path / "out")], hf_home, check=False)
     assert proc.returncode != 0
     ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert ours == ["error: unknown preset 'huge'; choose one of debug, tiny, small, 1b, 8b"]
+    assert ours == ["error: unknown preset 'huge'; choose one of debug, mini, tiny, small, 1b, 8b"]
     # No traceback frame in our code; the launcher's own CalledProcessError traceback is not ours.
     assert f'File "{ROOT / "recipes" / "train.py"}"' not in proc.stderr
     assert 'File "' + str(ROOT / "common") not in proc.stderr

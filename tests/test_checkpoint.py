@@ -48,7 +48,8 @@ def test_resume_is_exact_with_fp16(tmp_path, hf_home, fp16_train_run):
 
 
 # A small corpus: 46 batches of 8 per epoch, so step 45 sits just before the epoch boundary.
-SMALL_EPOCH_ARGS = ["--preset", "debug", "--seq_len", "64", "--micro_batch_size", "8", "--synthetic_documents", "100",
+SMALL_EPOCH_ARGS = ["--preset", "debug", "--seq_len", "64", "--micro_batch_size", "8", "--builtin_corpus", "synthetic",
+                    "--synthetic_documents", "100",
                     "--max_steps", "50", "--warmup_steps", "5", "--eval_every", "0", "--log_every", "5",
                     "--num_workers", "2", "--save_every", "45", "--log_sample_ids", "--save_model", "false"]
 

@@ -8,7 +8,7 @@ from common.config import ConfigError, TrainConfig, parse_config
 def test_defaults():
     cfg = parse_config([])
     assert cfg == TrainConfig()
-    assert cfg.preset == "tiny" and cfg.seq_len == 256 and cfg.data_files is None
+    assert cfg.preset == "mini" and cfg.seq_len == 256 and cfg.data_files is None
 
 
 def test_cli_types():

@@ -77,7 +77,7 @@ def test_byte_tokenizer_roundtrip():
 
 
 def test_synthetic_split_and_cache(hf_cache):
-    cfg = TrainConfig(synthetic_documents=200, seq_len=32)
+    cfg = TrainConfig(builtin_corpus="synthetic", synthetic_documents=200, seq_len=32)
     tokenizer = data.build_tokenizer(cfg)
     train, held_out = data.build_datasets(cfg, tokenizer)
     text = "".join(data.synthetic_documents(200))

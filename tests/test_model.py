@@ -12,7 +12,7 @@ VOCAB = 259  # the byte-level tokenizer
 
 
 @pytest.mark.parametrize("preset, low, high", [
-    ("debug", 50_000, 1_000_000), ("tiny", 2_000_000, 6_000_000), ("small", 100e6, 150e6),
+    ("debug", 50_000, 1_000_000), ("mini", 800_000, 900_000), ("tiny", 2_000_000, 6_000_000), ("small", 100e6, 150e6),
     ("1b", 0.9e9, 1.3e9), ("8b", 6.5e9, 8.5e9),
 ])
 def test_preset_sizes(preset, low, high):

@@ -377,7 +377,7 @@ def test_model_folder(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--preset", "huge"], "error: unknown preset 'huge'; choose one of debug, tiny, small, 1b, 8b"),
+    (["--preset", "huge"], "error: unknown preset 'huge'; choose one of debug, mini, tiny, small, 1b, 8b"),
     (["--gpus", "0"], "error: --gpus must be a positive number of GPUs, got 0"),
     (["--gpus", "-2"], "error: --gpus must be a positive number of GPUs, got -2"),
     (["--gpu_memory_gb", "0"], "error: --gpu_memory_gb must be positive, got 0"),

@@ -145,7 +145,9 @@ def model_shape(preset: str | None = None, model_name_or_path: str | None = None
             n_params=n_params,
             layers=len(blocks),
             hidden=text.hidden_size,
-            intermediate=text.intermediate_size,
+            # the MLP width under each family's name (GPT-2: n_inner, None = 4 x hidden; OPT: ffn_dim)
+            intermediate=(getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None)
+                          or getattr(text, "ffn_dim", None) or 4 * text.hidden_size),
             heads=heads,
             kv_heads=getattr(text, "num_key_value_heads", None) or heads,
             head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,

@@ -1,0 +1,82 @@
+"""The quickstart's job: `accelerate launch recipes/train.py` with no config file trains on tiny
+Shakespeare with every core the process may use, and ends with its held-out loss and a sample.
+
+The full default job (4 minutes) is measured for the README, not run here: this launches the
+same command with a few steps of the debug preset, and checks the parts in-process."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from common import data, strategy
+from common.config import TrainConfig
+from conftest import ACCELERATE, ROOT, Run, launch_env
+
+
+@pytest.fixture(scope="session")
+def quickstart_run(tmp_path_factory, hf_home):
+    """The README's first command, without a config file (accelerate's defaults), cut short."""
+    out = tmp_path_factory.mktemp("quickstart")
+    env = launch_env(hf_home)
+    env.pop("OMP_NUM_THREADS", None)  # as on a fresh machine
+    cmd = [ACCELERATE, "launch", str(ROOT / "recipes" / "train.py"), "--preset", "debug", "--max_steps", "4",
+           "--warmup_steps", "1",
+           "--eval_every", "4", "--eval_batches", "4", "--sample_length", "40", "--output_dir", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return Run(out, proc)
+
+
+def test_the_default_job_trains_on_tiny_shakespeare(quickstart_run):
+    summary = quickstart_run.summary
+    assert summary["setup"]["options"]["builtin_corpus"] == "shakespeare"
+    # the first 90% of 1,115,394 characters, + EOS, in blocks of 257: nanoGPT's split
+    assert summary["data"]["train_blocks"] == (1_003_854 + 1) // 257
+    assert summary["data"]["eval_blocks"] == (111_540 + 1) // 257
+
+
+def test_the_default_job_uses_every_core(quickstart_run):
+    """accelerate starts the process with OMP_NUM_THREADS=1; the recipe takes the cores it may use."""
+    assert quickstart_run.summary["setup"]["cpu_threads"] == len(os.sched_getaffinity(0))
+
+
+def test_the_default_job_ends_with_its_loss_and_a_sample(quickstart_run):
+    out = quickstart_run.proc.stdout
+    sample = quickstart_run.summary["samples"][-1]
+    assert sample["step"] == 4 and sample["prompt"] == "\n" and len(sample["text"]) > 1
+    # (an untrained model writes any bytes, \r included, which text-mode stdout turns into \n)
+    assert "step 4: sample (40 tokens from '\\n'):\n" in out
+    assert out.rstrip().splitlines()[-1].startswith("done: 4 steps, final eval loss ")
+
+
+def test_a_thread_count_the_user_chose_stands(monkeypatch):
+    """The launcher's command line or environment tells a chosen thread count from accelerate's default."""
+    clean = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    for args, env, chosen in [([], {}, False), (["--num_cpu_threads_per_process", "1"], {}, True),
+                              ([], {"OMP_NUM_THREADS": "1"}, True)]:
+        # a stand-in launcher process, whose /proc entries the check reads
+        launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *args], env={**clean, **env})
+        monkeypatch.setattr(os, "getppid", lambda: launcher.pid)
+        for _ in range(100):  # until /proc shows the started program (not yet, on a busy machine)
+            if b"time.sleep" in Path(f"/proc/{launcher.pid}/cmdline").read_bytes():
+                break
+            time.sleep(0.05)
+        try:
+            assert strategy._launcher_set_threads() is chosen, (args, env)
+        finally:
+            launcher.kill()
+            launcher.wait()
+
+
+def test_shakespeare_is_kept_as_it_is():
+    """Blank lines between speeches survive (a model learns to write them); the held-out part is
+    the last 10% of the characters; the file is the one the provenance names."""
+    train, held_out = data.shakespeare_split()
+    text = data.SHAKESPEARE.read_text()
+    assert train + held_out == text and len(held_out) == len(text) - int(len(text) * 0.9)
+    assert "\n\nROMEO:\n" in train
+    assert TrainConfig().builtin_corpus == "shakespeare" and TrainConfig().eval_fraction is None
