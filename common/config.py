@@ -132,7 +132,9 @@ class TrainConfig:
     sample_length: int = field(
         default=300,
         metadata={"help": "train.py: at the end, print a sample of this many tokens from --sample_prompt (temperature "
-                          "0.8, top-k 200, seeded) and keep it in run_summary.json; 0 = no sample."},
+                          "0.8, top-k 200, seeded) and keep it in run_summary.json; 0 = no sample. Cost: one forward "
+                          "per token, and under FSDP2 / ZeRO-3 each gathers every weight again (with ZeRO-3 "
+                          "parameter offload, from CPU memory): lower it for large sharded models."},
     )
     sample_prompt: str = field(default="\n", metadata={"help": "The fixed prompt the sample continues."})
     sample_at_eval: bool = field(default=False, metadata={"help": "Also sample at every evaluation."})

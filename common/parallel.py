@@ -210,6 +210,19 @@ def load_sharded(model: nn.Module, optimizer, folder: Path) -> None:
 
 # ---- pipeline parallel (recipes/pipeline_parallel.py) ----
 
+def check_pipeline_layout(model_config, recipe: str) -> None:
+    """The stages below cut a Llama-layout model (model.embed_tokens, .layers, .rotary_emb, .norm:
+    Llama, Qwen2, Mistral...); refuse any other layout before the model is built."""
+    from common.model import meta_model
+
+    inner = getattr(meta_model(model_config), "model", None)
+    missing = [name for name in ("embed_tokens", "layers", "rotary_emb", "norm") if not hasattr(inner, name)]
+    if missing:
+        family = type(model_config).__name__.replace("Config", "")
+        raise ConfigError(f"{recipe} splits Llama-layout models (model.embed_tokens, .layers, .rotary_emb, .norm: "
+                          f"Llama, Qwen2, Mistral...); the {family} model is laid out otherwise")
+
+
 class PipelineStageModule(nn.Module):
     """Consecutive decoder layers of a Llama-style causal LM, plus the embedding on the first stage
     and the final norm and LM head on the last. It aliases the full model's modules (no copy)."""

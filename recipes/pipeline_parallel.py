@@ -70,6 +70,7 @@ def main(argv=None):
                                  f"stage each, at least one layer per stage); got {accelerator.num_processes}")
     if getattr(model_cfg, "tie_word_embeddings", False):
         raise config.ConfigError(f"{Path(__file__).name}: tied embeddings would span the first and the last stage")
+    parallel.check_pipeline_layout(model_cfg, Path(__file__).name)
     # End new
     if accelerator.mixed_precision == "fp16":
         raise config.ConfigError(f"{Path(__file__).name} does not handle fp16 loss scaling; use fp16_scaler.py")

@@ -163,6 +163,13 @@ def test_a_family_without_a_tensor_parallel_plan_is_refused(family_models):
     parallel.check(stand_in(), qwen, AutoConfig.from_pretrained(family_models["qwen2"]), "train.py")
 
 
+def test_the_pipeline_recipe_takes_llama_layouts_and_refuses_others(family_models):
+    parallel.check_pipeline_layout(AutoConfig.from_pretrained(family_models["qwen2"]), "pipeline_parallel.py")
+    for family in ("gpt2", "gpt_neox"):
+        with pytest.raises(ConfigError, match="pipeline_parallel.py splits Llama-layout models"):
+            parallel.check_pipeline_layout(AutoConfig.from_pretrained(family_models[family]), "pipeline_parallel.py")
+
+
 @pytest.fixture
 def fsdp_launch_env(monkeypatch):
     """What `accelerate launch --config_file accelerate_configs/fsdp.yaml` hands each worker."""
