@@ -342,11 +342,13 @@ def _without_tied_copies(model, state_dict: dict) -> dict:
     """One entry per tied table. FSDP2's full state dict gathers a tied weight once per name
     (GPT-2's wte and lm_head, as two equal tensors), and save_pretrained, which recognises tied
     weights by shared storage, would then store the table twice."""
-    output = model.get_output_embeddings()
-    if not state_dict or output is None or output.weight is not model.get_input_embeddings().weight:
+    from common.model import embeddings_tied
+
+    if not state_dict or not embeddings_tied(model):
         return state_dict
-    names = [name for name, param in model.named_parameters(remove_duplicate=False) if param is output.weight]
-    keep = next(name for name, param in model.named_parameters() if param is output.weight)  # the first name
+    table = model.get_input_embeddings().weight
+    names = [name for name, param in model.named_parameters(remove_duplicate=False) if param is table]
+    keep = next(name for name, param in model.named_parameters() if param is table)  # the first name
     return {key: value for key, value in state_dict.items() if key == keep or key not in names}
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from accelerate.utils import gather_object
 
-from common.model import causal_lm_loss
+from common.model import causal_lm_loss, class_name
 
 
 @torch.no_grad()
@@ -110,7 +110,7 @@ def strategy_facts(model, optimizer) -> dict:
         is_block = is_a(module, blocks) or any(is_a(m, blocks) for m in module.children())
         if group is not None and is_block:
             # the shard units, by the class fully_shard was applied to (it renames GPT2Block FSDPGPT2Block)
-            units = [type(m).__name__.removeprefix("FSDP") for m in model.modules() if hasattr(m, "_get_fsdp_state")]
+            units = [class_name(m) for m in model.modules() if hasattr(m, "_get_fsdp_state")]
             return {"engine": "fsdp2", "reshard_after_forward": group.post_forward_mesh_info is not None,
                     "shard_units": {name: units.count(name) for name in sorted(set(units))},
                     "offload_policy": type(group.offload_policy).__name__,

@@ -230,27 +230,6 @@ def embeddings_tied(model: nn.Module) -> bool:
     return output is not None and output.weight is model.get_input_embeddings().weight
 
 
-def block_classes(config) -> list[str]:
-    """The model's transformer block classes (`_no_split_modules`, e.g. GPT2Block, Qwen2DecoderLayer):
-    what FSDP2 shards as one unit and --compile compiles."""
-    return sorted(getattr(meta_model(config), "_no_split_modules", None) or [])
-
-
-def module_classes(config) -> list[str]:
-    """Every module class the model contains, by name."""
-    return sorted({type(m).__name__ for m in meta_model(config).modules()})
-
-
-def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, reduction: str = "mean"):
-    """Next-token cross-entropy. `labels` are already shifted (block[1:]), so we do not pass them
-    to the model (Hugging Face models would shift them again). -100 marks ignored positions.
-    Logits are upcast to fp32 for the softmax: bf16 log-probs lose ~3 significant digits."""
-    logits = model(input_ids=input_ids).logits
-    return nn.functional.cross_entropy(
-        logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100, reduction=reduction
-    )
-
-
 @torch.no_grad()
 def sample_text(accelerator, model: nn.Module, tokenizer, prompt: str, max_new_tokens: int, seed: int,
                 temperature: float = 0.8, top_k: int = 200) -> str:

@@ -67,7 +67,9 @@ def check(accelerator, cfg, model_config, recipe: str) -> None:
         raise ConfigError(f"{recipe}: fp16 is not supported with tensor parallelism (no loss scaler here); use bf16")
     if getattr(cfg, "compile", False):
         raise ConfigError(f"{recipe}: --compile is not tested with tensor parallelism here; run without it")
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    from common.model import text_config
+
+    text = text_config(model_config)
     if not getattr(text, "base_model_tp_plan", None):
         raise ConfigError(f"{recipe}: the {type(text).__name__.replace('Config', '')} model declares no tensor-parallel "
                           "plan (base_model_tp_plan in its transformers config), so tensor parallelism cannot "

@@ -124,22 +124,23 @@ def fsdp_plugin(model_config=None):
 
 
 def _blocks_to_wrap(model_config) -> list[str]:
-    from common.model import block_classes, module_classes
+    from common.model import meta_model
 
-    model = type(model_config).__name__.replace("Config", "")
+    model = meta_model(model_config)  # structure only: no memory behind the weights
+    family = type(model_config).__name__.replace("Config", "")
+    own = sorted(getattr(model, "_no_split_modules", None) or [])
     named = [n.strip() for n in os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "").split(",") if n.strip()]
     if not named:
-        named = block_classes(model_config)
-        if not named:
-            raise ConfigError(f"the {model} model declares no transformer block class (_no_split_modules) for FSDP "
+        if not own:
+            raise ConfigError(f"the {family} model declares no transformer block class (_no_split_modules) for FSDP "
                               "to shard by: set fsdp_transformer_layer_cls_to_wrap in the config")
-        return named
-    contained = module_classes(model_config)
+        return own
+    contained = sorted({type(m).__name__ for m in model.modules()})
     missing = [n for n in named if n not in contained]
     if missing:
-        raise ConfigError(f"fsdp_transformer_layer_cls_to_wrap names {', '.join(missing)}, which the {model} model "
+        raise ConfigError(f"fsdp_transformer_layer_cls_to_wrap names {', '.join(missing)}, which the {family} model "
                           f"does not contain; its classes: {', '.join(contained)} (leave the key out to shard by "
-                          f"its own blocks, {', '.join(block_classes(model_config)) or 'none declared'})")
+                          f"its own blocks, {', '.join(own) or 'none declared'})")
     return named
 
 

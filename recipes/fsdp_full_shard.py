@@ -7,7 +7,8 @@
 
 What FSDP2 does: accelerate applies torch's `fully_shard` to every transformer block (the model's
 own class: LlamaDecoderLayer, GPT2Block, Qwen2DecoderLayer...) and to the root model. Each
-parameter becomes a DTensor sharded on dim 0 (rank r keeps rows r/N..(r+1)/N). Before a layer runs, its parameters are all-gathered; with reshard_after_forward (full shard)
+parameter becomes a DTensor sharded on dim 0 (rank r keeps rows r/N..(r+1)/N).
+Before a layer runs, its parameters are all-gathered; with reshard_after_forward (full shard)
 they are freed right after its forward and gathered again for its backward; its gradients are
 reduce-scattered so each rank keeps only the gradient of its own shard, and AdamW updates only
 that shard.
