@@ -230,6 +230,16 @@ def embeddings_tied(model: nn.Module) -> bool:
     return output is not None and output.weight is model.get_input_embeddings().weight
 
 
+def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, reduction: str = "mean"):
+    """Next-token cross-entropy. `labels` are already shifted (block[1:]), so we do not pass them
+    to the model (Hugging Face models would shift them again). -100 marks ignored positions.
+    Logits are upcast to fp32 for the softmax: bf16 log-probs lose ~3 significant digits."""
+    logits = model(input_ids=input_ids).logits
+    return nn.functional.cross_entropy(
+        logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100, reduction=reduction
+    )
+
+
 @torch.no_grad()
 def sample_text(accelerator, model: nn.Module, tokenizer, prompt: str, max_new_tokens: int, seed: int,
                 temperature: float = 0.8, top_k: int = 200) -> str:
