@@ -68,6 +68,7 @@ RUN bash scripts/docker/install.sh deps
 # 3. The code, installed in place (editable) without touching the dependencies.
 COPY README.md ./
 COPY common/ common/
+COPY train_extras/ train_extras/
 COPY recipes/ recipes/
 COPY accelerate_configs/ accelerate_configs/
 COPY scripts/docker/entrypoint.sh scripts/docker/entrypoint.sh

@@ -7,7 +7,7 @@ Each rung is one `accelerate launch` of recipes/train.py with its config from ac
 (2 processes over gloo; FSDP2 and DeepSpeed through the CPU harness). train.py records, per rank,
 the heap in use (common/metrics.memory_in_use) before the model exists, after backward and after
 the optimizer step of its second step; the peak is the process's peak RSS minus its RSS before the
-model. The planner (common/plan/) predicts the same quantities for the same model, world size and
+model. The planner (tools/plan/) predicts the same quantities for the same model, world size and
 precision. On CPU the device and the host are one memory, so the offload rungs are compared on
 device + host together, and "peak" includes the host. Writes benchmarks/results/memory-<date>/
 (table.md, results.json, memory.png).
@@ -22,7 +22,7 @@ from pathlib import Path
 from bench_utils import ACCELERATE, HARNESS, ROOT, run, summary, write_results
 
 sys.path.insert(0, str(ROOT))
-from common import plan  # noqa: E402
+from tools import plan  # noqa: E402
 
 
 def main():
@@ -82,7 +82,7 @@ def main():
         "model was built: 'rest' after optimizer.zero_grad, 'grads' after backward (DeepSpeed has already stepped "
         "inside backward there, so '-'); 'peak' = peak RSS minus RSS before the model, i.e. it also holds "
         "activations, allocator caching and anything else the step touched.",
-        "Planned: common/plan/ model_state_bytes (rest, grads) and evaluate()'s peak (model states + in-flight "
+        "Planned: tools/plan/ model_state_bytes (rest, grads) and evaluate()'s peak (model states + in-flight "
         "parameters + activations + logits, activations measured by its saved-tensor probes) + host bytes. On CPU the "
         "offload rungs' host and device are one memory: compared as their sum.",
     ]
@@ -113,7 +113,7 @@ def plot(results, path: Path):
     axes[0].invert_yaxis()
     handles, names = axes[0].get_legend_handles_labels()
     fig.legend(handles, names, loc="lower center", ncol=2)
-    fig.suptitle(f"{results[0]['n_params'] / 1e6:.1f}M-parameter model, 2 processes: measured vs common/plan/")
+    fig.suptitle(f"{results[0]['n_params'] / 1e6:.1f}M-parameter model, 2 processes: measured vs tools/plan/")
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
 

@@ -20,7 +20,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 from common import config, data, metrics  # noqa: E402
 from common import model as modeling  # noqa: E402
-from common.schedule import build_scheduler  # noqa: E402
 
 
 def main(argv=None):
@@ -31,7 +30,7 @@ def main(argv=None):
     train_loader, _ = data.build_loaders(cfg, train_set, eval_set, pin_memory=False)
     model = modeling.build_model(cfg, len(tokenizer))
     optimizer = modeling.build_optimizer(model, cfg, torch.device("cpu"))
-    scheduler = build_scheduler(optimizer, cfg)
+    scheduler = modeling.build_scheduler(optimizer, cfg)
     tokens_per_step = cfg.micro_batch_size * cfg.seq_len
 
     model.train()

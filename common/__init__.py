@@ -1,1 +1,2 @@
-"""Shared pieces every recipe uses unchanged: config, model, data, schedule, checkpoint, metrics."""
+"""The core a recipe needs, copied with it into a project: options, model, data, export, the
+start-up guard. It imports nothing above itself (tests/test_copy.py checks it)."""

@@ -1,12 +1,11 @@
-"""Data: three sources behind one option, tokenised with `datasets.map` (cached on disk), packed
+"""Data: three sources, tokenised with `datasets.map` (cached on disk), packed
 into blocks of seq_len + 1 tokens, and served by a loader whose order depends on (seed, epoch) only.
 
 Sources, first match wins:
   --data_files a.txt b.txt | a.jsonl   local files through `datasets` (.txt: one document per
                                        blank-line-separated paragraph; .json/.jsonl: --text_column)
   --dataset_name NAME [--dataset_config C]  a Hub dataset (or a local dataset folder)
-  (nothing)                            --builtin_corpus: tiny Shakespeare, shipped in common/corpus/
-                                       (default), or a generated toy language; no download either way
+  (nothing)                            tiny Shakespeare, shipped in common/corpus/ (no download)
 
 Held out: the last 10% of tiny Shakespeare's characters (nanoGPT's split, so losses compare), or
 a fixed random 2% of the documents of any other source (--eval_fraction changes either).
@@ -21,96 +20,31 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
-import random
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from common.config import ConfigError, TrainConfig
+from common.config import ConfigError
+from common.files import write_atomic
 
 SHAKESPEARE = Path(__file__).parent / "corpus" / "tinyshakespeare.txt"  # provenance: corpus/README.md
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 SHAKESPEARE_EVAL_FRACTION = 0.1  # nanoGPT's shakespeare_char: train on the first 90%, validate on the rest
 DEFAULT_EVAL_FRACTION = 0.02  # other sources: documents held out at random (fixed seed)
 
-# Bump when the generator changes: the cached corpus files are keyed on it.
-SYNTHETIC_VERSION = 1
-SYNTHETIC_SEED = 0  # the corpus is part of the benchmark, not of the run: it ignores --seed
-SPLIT_SEED = 0  # the held-out documents are fixed too, so eval numbers compare across runs
+SPLIT_SEED = 0  # the held-out documents are fixed, so eval numbers compare across runs
 
 
 # ----------------------------------------------------------------------------------------------
 # The embedded default corpus
 # ----------------------------------------------------------------------------------------------
-def synthetic_documents(num_documents: int, seed: int = SYNTHETIC_SEED) -> list[str]:
-    """A toy language whose structure only a model that uses context can learn.
-
-    A lexicon of 64 made-up words (2-7 letters). Each word has one preferred successor: with
-    probability 0.75 the next word is that successor, else a uniformly random word. Sentences of
-    4-12 words end with '. ', documents of 3-8 sentences with a newline. So the first letter of a
-    word is predictable only from the whole previous word (several bytes back), and the rest of a
-    word from its own first letters: a byte-bigram model cannot do either, a transformer can.
-
-    Uses only `random.Random(seed).random()` (Mersenne Twister, specified bit-for-bit by Python)
-    and integer arithmetic on it, so the bytes are identical on every Python and platform.
-    """
-    rng = random.Random(seed)
-
-    def below(n: int) -> int:  # uniform integer in [0, n) from one random() draw
-        return int(rng.random() * n)
-
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    lexicon: list[str] = []
-    while len(lexicon) < 64:
-        word = "".join(letters[below(26)] for _ in range(2 + below(6)))
-        if word not in lexicon:
-            lexicon.append(word)
-    successor = [below(64) for _ in range(64)]
-
-    docs = []
-    for _ in range(num_documents):
-        sentences = []
-        word = below(64)
-        for _ in range(3 + below(6)):
-            words = []
-            for _ in range(4 + below(9)):
-                words.append(lexicon[word])
-                word = successor[word] if rng.random() < 0.75 else below(64)
-            sentences.append(" ".join(words) + ".")
-        docs.append(" ".join(sentences) + "\n")
-    return docs
-
-
 def _cache_root() -> Path:
     import datasets
 
     return Path(datasets.config.HF_DATASETS_CACHE) / "accelerate_recipes"
-
-
-def _write_atomic(path: Path, write) -> None:
-    """Write to a temporary name and rename: a crash never leaves a half-written cache file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
-
-
-def _synthetic_file(num_documents: int) -> Path:
-    path = _cache_root() / f"synthetic_v{SYNTHETIC_VERSION}_seed{SYNTHETIC_SEED}_docs{num_documents}.jsonl"
-    if not path.exists():
-        docs = synthetic_documents(num_documents)
-
-        def write(tmp):
-            with open(tmp, "w") as f:
-                for doc in docs:
-                    f.write(json.dumps({"text": doc}) + "\n")
-
-        _write_atomic(path, write)
-    return path
 
 
 def shakespeare_split(eval_fraction: float | None = None) -> tuple[str, str]:
@@ -127,7 +61,7 @@ def shakespeare_split(eval_fraction: float | None = None) -> tuple[str, str]:
 # ----------------------------------------------------------------------------------------------
 # Tokenizer and raw documents
 # ----------------------------------------------------------------------------------------------
-def build_tokenizer(cfg: TrainConfig):
+def build_tokenizer(cfg):
     """The run's tokenizer: --tokenizer_name_or_path, else the pretrained model's, else bytes."""
     from transformers import AutoTokenizer, ByT5Tokenizer
 
@@ -165,13 +99,13 @@ def _quiet_datasets(quiet: bool):
             datasets.utils.enable_progress_bars()
 
 
-def load_documents(cfg: TrainConfig):
+def load_documents(cfg):
     """The raw text as a `datasets.Dataset` with one column, 'text'."""
     with _quiet_datasets(quiet=not cfg.dataset_name):
         return _load_documents(cfg)
 
 
-def _load_documents(cfg: TrainConfig):
+def _load_documents(cfg):
     import datasets
 
     if cfg.data_files:
@@ -193,12 +127,8 @@ def _load_documents(cfg: TrainConfig):
         except Exception as err:  # offline, unknown name, bad config: all user-facing
             raise ConfigError(f"cannot load dataset {cfg.dataset_name}: {str(err).splitlines()[0]}") from None
         source = cfg.dataset_name
-    elif cfg.builtin_corpus == "shakespeare":
-        return datasets.Dataset.from_dict({"text": list(shakespeare_split(cfg.eval_fraction))})
     else:
-        path = _synthetic_file(cfg.synthetic_documents)
-        ds = datasets.load_dataset("json", data_files=str(path), split="train")
-        source = f"synthetic corpus ({cfg.synthetic_documents} documents)"
+        return datasets.Dataset.from_dict({"text": list(shakespeare_split(cfg.eval_fraction))})
 
     if len(ds) > 0 and cfg.text_column not in ds.column_names:
         raise ConfigError(f"{source}: no column {cfg.text_column!r} (columns: {ds.column_names}); set --text_column")
@@ -236,7 +166,7 @@ def _token_stream(tokenized, path: Path, dtype) -> np.ndarray:
             out.flush()
             del out
 
-        _write_atomic(path, write)
+        write_atomic(path, write)
     return np.memmap(path, dtype=dtype, mode="r")
 
 
@@ -303,7 +233,7 @@ class PaddedDocuments(Dataset):
         return np.concatenate([np.asarray(ids[: self.seq_len + 1]) for ids in self.docs["input_ids"]])
 
 
-def build_datasets(cfg: TrainConfig, tokenizer):
+def build_datasets(cfg, tokenizer):
     """Train and held-out datasets (PackedBlocks, or PaddedDocuments with --packing false); the
     held-out part is a fixed set of whole documents."""
     docs = load_documents(cfg)
@@ -326,8 +256,8 @@ def build_datasets(cfg: TrainConfig, tokenizer):
     return train, held_out
 
 
-def _is_shakespeare(cfg: TrainConfig) -> bool:
-    return not cfg.data_files and not cfg.dataset_name and cfg.builtin_corpus == "shakespeare"
+def _is_shakespeare(cfg) -> bool:
+    return not cfg.data_files and not cfg.dataset_name
 
 
 # ----------------------------------------------------------------------------------------------
@@ -359,7 +289,7 @@ class EpochShuffleSampler(Sampler[int]):
         return iter(order.tolist())
 
 
-def build_loaders(cfg: TrainConfig, train: PackedBlocks, held_out: PackedBlocks, pin_memory: bool):
+def build_loaders(cfg, train: PackedBlocks, held_out: PackedBlocks, pin_memory: bool):
     train_loader = DataLoader(
         train,
         batch_size=cfg.micro_batch_size,
@@ -370,26 +300,3 @@ def build_loaders(cfg: TrainConfig, train: PackedBlocks, held_out: PackedBlocks,
     )
     eval_loader = DataLoader(held_out, batch_size=cfg.micro_batch_size, shuffle=False, pin_memory=pin_memory)
     return train_loader, eval_loader
-
-
-# ----------------------------------------------------------------------------------------------
-# The bar the model has to clear
-# ----------------------------------------------------------------------------------------------
-def bigram_entropy(stream: np.ndarray) -> float:
-    """Conditional entropy H(x_t | x_{t-1}) of a token stream, in nats, from its own counts.
-
-    This is the loss of the best possible bigram model *fitted on this very data* (a lower bound
-    for any bigram model evaluated on it): a held-out loss below it shows the model uses more
-    context than the previous token.
-    """
-    stream = np.asarray(stream, dtype=np.int64)
-    vocab = int(stream.max()) + 1
-    pairs = stream[:-1] * vocab + stream[1:]
-    _, pair_counts = np.unique(pairs, return_counts=True)
-    _, prev_counts = np.unique(stream[:-1], return_counts=True)
-
-    def entropy(counts):
-        p = counts / counts.sum()
-        return float(-(p * np.log(p)).sum())
-
-    return entropy(pair_counts) - entropy(prev_counts)

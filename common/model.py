@@ -1,5 +1,5 @@
-"""Models: Llama-architecture presets with random init, or any pretrained causal LM; the optimizer;
-FLOPs per token.
+"""Models: Llama-architecture presets with random init, or any pretrained causal LM; the optimizer
+and LR schedule; the loss, and the held-out evaluation.
 
 Presets are shapes only; the vocabulary size comes from the tokenizer (259 for the default
 byte-level one), so parameter counts below are with that vocabulary:
@@ -16,11 +16,13 @@ byte-level one), so parameter counts below are with that vocabulary:
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, get_scheduler
 
-from common.config import ConfigError, TrainConfig
+from common.config import ConfigError
 
 PRESETS: dict[str, dict] = {
     "debug": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -38,7 +40,7 @@ PRESETS: dict[str, dict] = {
 }
 
 
-def model_config(cfg: TrainConfig, vocab_size: int | None = None):
+def model_config(cfg, vocab_size: int | None = None):
     """The transformers config of the model this run trains (no weights are created)."""
     if cfg.model_name_or_path:
         try:
@@ -56,7 +58,7 @@ def model_config(cfg: TrainConfig, vocab_size: int | None = None):
     )
 
 
-def check_seq_len(cfg: TrainConfig) -> None:
+def check_seq_len(cfg) -> None:
     """Refuse a context longer than the model's positions (RoPE would extrapolate untrained)."""
     limit = getattr(model_config(cfg), "max_position_embeddings", None)
     if limit is not None and cfg.seq_len > limit:
@@ -64,7 +66,7 @@ def check_seq_len(cfg: TrainConfig) -> None:
         raise ConfigError(f"--seq_len {cfg.seq_len} exceeds the {limit} positions of {name}")
 
 
-def build_model(cfg: TrainConfig, vocab_size: int) -> nn.Module:
+def build_model(cfg, vocab_size: int) -> nn.Module:
     """Random-init preset or pretrained weights, in fp32 (mixed precision autocasts the compute)."""
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8:
         # TF32 for fp32 matmuls on Ampere and later: several times faster, inputs rounded to a
@@ -89,26 +91,10 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> nn.Module:
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
-    if cfg.compile:
-        model.compiled_blocks = compile_blocks(model)
     return model
 
 
-def compile_blocks(model: nn.Module) -> int:
-    """Regional compilation: torch.compile each transformer block in place (the classes the model
-    names in `_no_split_modules`, e.g. LlamaDecoderLayer). All blocks share one compiled graph, so
-    compile time does not grow with depth, and FSDP2's per-block sharding and activation
-    checkpointing wrap the same modules. Returns the number of blocks compiled."""
-    block_classes = set(getattr(model, "_no_split_modules", None) or [])
-    blocks = [m for m in model.modules() if type(m).__name__ in block_classes]
-    if not blocks:
-        raise ConfigError(f"--compile: found no transformer blocks ({sorted(block_classes)}) in {type(model).__name__}")
-    for block in blocks:
-        block.compile()
-    return len(blocks)
-
-
-def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg, device: torch.device) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only.
 
     Decay pulls weights towards zero. That regularises the linear maps (the matrices), but on
@@ -148,88 +134,6 @@ def _split_by_mesh(params: list) -> list[list]:
     return list(by_mesh.values()) or [params]
 
 
-def text_config(config):
-    """The language model's part of a config (multimodal configs nest it; a causal LM's is itself)."""
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def dimensions(config) -> dict:
-    """Layers, width, heads and head size under the names every family maps them to.
-
-    transformers' `attribute_map` already turns most families' own names into these (GPT-2's
-    n_layer, n_embd, n_head). A family whose config lacks one of them is refused with one line."""
-    text = text_config(config)
-    missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads") if getattr(text, k, None) is None]
-    if missing:
-        raise ConfigError(f"{type(text).__name__} has no {', '.join(missing)}: cannot estimate FLOPs per token "
-                          "for this model family")
-    heads = text.num_attention_heads
-    return {"layers": text.num_hidden_layers, "hidden": text.hidden_size, "heads": heads,
-            "kv_heads": getattr(text, "num_key_value_heads", None) or heads,
-            "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads}
-
-
-def meta_model(config) -> nn.Module:
-    """The model class of a config with no memory behind its weights (the meta device): its
-    structure and parameter shapes for planning and checks, in milliseconds even for 8B."""
-    from accelerate.state import AcceleratorState, is_initialized
-
-    plugin = AcceleratorState().deepspeed_plugin if is_initialized() else None
-    if plugin is None:
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
-    # Under ZeRO-3 transformers builds every model inside deepspeed.zero.Init and initialises its
-    # weights there, which a meta-device model cannot take: hide DeepSpeed's config from transformers
-    # while this one is built, then give it back as accelerate set it.
-    from transformers.integrations import unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()
-    try:
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
-    finally:
-        plugin.set_deepspeed_weakref()
-
-
-def matmul_params(config) -> int:
-    """N for FLOPs: every weight a token multiplies through, i.e. all parameters except embedding
-    tables (token and learned position embeddings: lookups, no FLOPs), but including the output
-    projection (a matmul even when it is tied to the input embedding). Counted from the real model
-    class on the meta device, so it holds for any family: gated or plain MLPs, biases, GPT-2's
-    Conv1D. Norm gains and biases are included; they are negligible."""
-    model = meta_model(config)
-    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    n = sum(p.numel() for p in model.parameters() if id(p) not in tables)  # parameters() lists a tied weight once
-    output = model.get_output_embeddings()
-    if output is not None and id(output.weight) in tables:  # tied: the shared table is also the output matmul
-        n += output.weight.numel()
-    return n
-
-
-def flops_per_token(config, seq_len: int) -> float:
-    """Training FLOPs per token, PaLM (appendix B) / nanoGPT: 6N + 12 * L * H * Q * T.
-
-    6N: forward (2 FLOPs per multiply-add) plus backward (twice the forward) through the N weights
-    of matmul_params(). 12*L*H*Q*T: the attention scores and the weighted sum (QK^T and AV) over
-    T positions in L layers with H heads of size Q, forward plus backward, not halved for the
-    causal mask (flash/SDPA kernels skip the masked half, so this slightly overstates MFU there)
-    nor capped at a sliding window (Mistral-style local attention: overstated for T > window).
-    """
-    dims = dimensions(config)
-    return 6 * matmul_params(config) + 12 * dims["layers"] * dims["heads"] * dims["head_dim"] * seq_len
-
-
-def class_name(model: nn.Module) -> str:
-    """The model's own class, also once FSDP2 has swapped it for a FSDP<Class> subclass."""
-    return next(c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))
-
-
-def embeddings_tied(model: nn.Module) -> bool:
-    """Whether the LM head multiplies by the input embedding table itself (one shared parameter)."""
-    output = model.get_output_embeddings()
-    return output is not None and output.weight is model.get_input_embeddings().weight
-
-
 def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, reduction: str = "mean"):
     """Next-token cross-entropy. `labels` are already shifted (block[1:]), so we do not pass them
     to the model (Hugging Face models would shift them again). -100 marks ignored positions.
@@ -240,32 +144,47 @@ def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tens
     )
 
 
+
+
+def build_scheduler(optimizer, cfg):
+    """transformers' schedules, in optimizer steps, after a linear warmup to --lr:
+    cosine to min_lr_ratio * lr; linear to 0; constant; wsd (warmup-stable-decay: flat, then the
+    last decay_fraction of the steps decays to min_lr_ratio * lr, so a run can be extended or
+    branched from its stable phase)."""
+    name, kwargs = {
+        "cosine": ("cosine_with_min_lr", {"min_lr_rate": cfg.min_lr_ratio}),
+        "linear": ("linear", {}),
+        "constant": ("constant_with_warmup", {}),
+        "wsd": ("warmup_stable_decay", {"num_decay_steps": max(1, round(cfg.decay_fraction * cfg.max_steps)),
+                                        "min_lr_ratio": cfg.min_lr_ratio}),
+    }[cfg.lr_schedule]
+    return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.max_steps,
+                         scheduler_specific_kwargs=kwargs)
+
+
 @torch.no_grad()
-def sample_text(accelerator, model: nn.Module, tokenizer, prompt: str, max_new_tokens: int, seed: int,
-                temperature: float = 0.8, top_k: int = 200) -> str:
-    """A continuation of `prompt` by the model being trained, through transformers' `generate`
-    (temperature and top-k as nanoGPT's sample.py), to read what the model has learned.
+def evaluate(model, eval_loader, accelerator, max_batches: int = 0) -> dict:
+    """Token-weighted mean loss over the held-out blocks, across all ranks, each block counted once.
 
-    Call on every rank: a sharded model (FSDP2, ZeRO-3, TP) needs all ranks in each forward, and
-    with the same seed every rank draws the same tokens. The global RNG is forked, so sampling in
-    the middle of a run leaves the training's random stream (and so exact resume) untouched."""
-    from accelerate.utils import DistributedType
-
-    unwrapped = accelerator.unwrap_model(model)
-    was_training = unwrapped.training
-    unwrapped.eval()
-    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids.to(accelerator.device)
-    devices = [accelerator.device] if accelerator.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), accelerator.autocast():
-        torch.manual_seed(seed)
-        out = unwrapped.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=True,
-            temperature=temperature, top_k=top_k, use_cache=True,
-            remove_invalid_values=True,  # a diverged model (NaN/inf logits) still samples instead of crashing
-            eos_token_id=None,  # always max_new_tokens: go on past a document's end (EOS is not printed)
-            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-            # ZeRO-3: a rank that stopped early must keep joining the others' parameter gathers
-            synced_gpus=accelerator.distributed_type == DistributedType.DEEPSPEED and accelerator.num_processes > 1,
-        )
-    unwrapped.train(was_training)
-    return tokenizer.decode(out[0], skip_special_tokens=True)
+    Every rank gathers (sample index, loss sum, target tokens) per sequence, and the sums are taken
+    over distinct sample indices at the end. That drops the rows accelerate repeats to even out the
+    last batch across ranks (a mean of per-rank means would count them) and, under tensor
+    parallelism, the identical rows of a TP group, which gather_for_metrics' trimming of the last
+    batch does not expect (measured 1e-3 off). One CPU-GPU sync at the end, none per batch.
+    """
+    model.eval()
+    rows = []
+    for i, batch in enumerate(eval_loader):
+        if max_batches and i >= max_batches:
+            break
+        labels = batch["labels"]
+        per_token = causal_lm_loss(model, batch["input_ids"], labels, reduction="none").view(labels.shape)
+        per_seq = torch.stack([batch["index"].to(per_token.device).double(), per_token.sum(1).double(),
+                               (labels != -100).sum(1).double()], dim=1)
+        rows.append(accelerator.gather(per_seq))
+    model.train()
+    by_index = {row[0]: row[1:] for row in (torch.cat(rows).tolist() if rows else [])}
+    loss_sum = sum(loss for loss, _ in by_index.values())
+    token_count = int(sum(tokens for _, tokens in by_index.values()))
+    loss = loss_sum / token_count if token_count else float("nan")
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": token_count}

@@ -21,48 +21,56 @@ same with `num_items_in_batch`.
 Clipping: on the full gradient, after the last micro-batch (under fp16 after unscaling), once per
 optimizer step; the logged norm is the pre-clip one, and the norm after clipping is logged too.
 Under DeepSpeed clipping happens inside its step, from `gradient_clipping` (= --max_grad_norm).
-Under DDP the first optimizer step also records which gradient buckets each micro-step
-all-reduced (a counting comm hook): nothing before the last micro-batch, every bucket once then.
 
 The delta against bf16_baseline.py is marked `# New:`.
 """
 
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 # New: tensors for the step's loss and token count.
 import torch
 # End new
 from accelerate import Accelerator
-# New: accumulation that syncs on a micro-batch count (not at epoch ends); DDP's default hook.
+# New: accumulation that syncs on a micro-batch count (not at epoch ends).
 from accelerate.utils import DistributedType, GradientAccumulationPlugin, set_seed
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 # End new
 from tqdm.auto import tqdm
 
-from common import checkpoint, config, data, metrics, strategy
+from common import config, data, guard
 from common import model as modeling
-from common.schedule import build_scheduler
+from common.export import export_pretrained
+from common.files import write_json
+
+
+# New: the accumulation option (--gradient_accumulation_steps).
+@dataclass
+class Options(config.AccumulationOptions, config.RecipeConfig):
+    """The core options, and the number of micro-batches per optimizer step."""
+# End new
+
+
+# New: a gradient norm as a number: FSDP2 returns a DTensor, DeepSpeed a float, the rest a tensor.
+def as_float(norm) -> float:
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+# End new
 
 
 def main(argv=None):
-    cfg = config.parse_config(argv)
+    cfg = config.parse(Options, argv, recipe=Path(__file__).name)
     modeling.check_seq_len(cfg)
-    if cfg.save_every or cfg.resume_from_checkpoint:
-        raise config.ConfigError(f"{Path(__file__).name} writes no resumable checkpoints; use recipes/train.py")
-    # New: this recipe accumulates (the baseline refuses --gradient_accumulation_steps).
-    # End new
 
     # Mixed precision, device and process count come from the launch config. The LR schedule is
     # stepped by us once per optimizer step (accelerate would step it world_size times).
     # New: every strategy; accumulation counted in micro-batches, so an epoch boundary inside an
     # accumulation window does not force an early optimizer step.
     plugin = GradientAccumulationPlugin(num_steps=cfg.gradient_accumulation_steps, sync_with_dataloader=False)
-    accelerator = Accelerator(step_scheduler_with_optimizer=False, gradient_accumulation_plugin=plugin,
-                              fsdp_plugin=strategy.fsdp_plugin(modeling.model_config(cfg)))
-    strategy.check_launch(accelerator, Path(__file__).name, supports=("single", "ddp", "fsdp", "deepspeed"))
-    strategy.configure_deepspeed(accelerator, cfg)
+    accelerator = Accelerator(step_scheduler_with_optimizer=False, gradient_accumulation_plugin=plugin)
+    guard.check_launch(accelerator, Path(__file__).name, supports=("single", "ddp", "fsdp", "deepspeed"))
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:  # DeepSpeed clips inside its own step
+        accelerator.state.deepspeed_plugin.deepspeed_config["gradient_clipping"] = cfg.max_grad_norm
     # End new
     if accelerator.mixed_precision == "fp16":
         raise config.ConfigError(f"{Path(__file__).name} does not handle fp16 loss scaling; use fp16_scaler.py")
@@ -74,35 +82,27 @@ def main(argv=None):
     train_loader, eval_loader = data.build_loaders(
         cfg, train_set, eval_set, pin_memory=accelerator.device.type == "cuda"
     )
+    setup = config.setup_facts(cfg, accelerator)
     if accelerator.is_main_process:
-        print(config.describe_setup(cfg, accelerator), flush=True)
+        print(config.describe_setup(setup), flush=True)
 
     model = modeling.build_model(cfg, len(tokenizer))
     optimizer = modeling.build_optimizer(model, cfg, accelerator.device)
-    scheduler = build_scheduler(optimizer, cfg)
+    scheduler = modeling.build_scheduler(optimizer, cfg)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler
     )
 
-    summary = {"recipe": Path(__file__).name, "setup": config.setup_facts(cfg, accelerator),
-               "parameters_per_rank": metrics.parameter_facts(model, accelerator),  # at rest, after prepare
-               "optimizer_groups": metrics.optimizer_facts(optimizer),
-               "losses": [], "eval": [], "throughput": []}
-    # New: an optimizer step now spans several micro-batches; count DDP's all-reduces.
+    # The run's record, kept in <output_dir>/run_summary.json: the setup, losses, evals, throughput.
+    summary = {"recipe": Path(__file__).name, "setup": setup, "losses": [], "eval": [], "throughput": []}
+    # New: an optimizer step now spans several micro-batches, gathered before their backward.
     tokens_per_step = cfg.micro_batch_size * cfg.seq_len * accelerator.num_processes
     tokens_per_step *= cfg.gradient_accumulation_steps
-    micro_batches, reduced_buckets = [], []
-    if accelerator.distributed_type in (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU):
-        def counting_allreduce(state, bucket):  # DDP's default all-reduce, plus a note of the bucket
-            reduced_buckets.append([bucket.index(), bucket.buffer().numel()])
-            return allreduce_hook(state, bucket)
-
-        model.register_comm_hook(None, counting_allreduce)
-        summary["ddp_buckets_per_micro_step"] = []
+    micro_batches = []
     # End new
 
     def run_eval(step):
-        result = metrics.evaluate(model, eval_loader, accelerator, cfg.eval_batches)
+        result = modeling.evaluate(model, eval_loader, accelerator, cfg.eval_batches)
         summary["eval"].append({"step": step, **result})
         if accelerator.is_main_process:
             tqdm.write(f"step {step}: eval loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f}")
@@ -129,18 +129,14 @@ def main(argv=None):
                     micro_sum = modeling.causal_lm_loss(model, micro["input_ids"], micro["labels"], reduction="sum")
                     accelerator.backward(micro_sum * scale)
                 loss_sum += micro_sum.detach()
-                if step == 0 and "ddp_buckets_per_micro_step" in summary:
-                    summary["ddp_buckets_per_micro_step"].append(list(reduced_buckets))
-                    reduced_buckets.clear()
             micro_batches = []
             loss = accelerator.reduce(loss_sum, "sum") / step_tokens  # the step's token mean, on every rank
             # Clip the full gradient once (fp16: unscaled first). Pre-clip norm returned; inf = measure only.
-            grad_norm = metrics.as_tensor(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf")))
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
             if accelerator.distributed_type != DistributedType.DEEPSPEED:  # DeepSpeed keeps its gradients inside
-                grads = [p.grad for p in model.parameters() if p.grad is not None]
-                clipped_norm = metrics.as_tensor(torch.nn.utils.get_total_norm(grads))
+                clipped_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
             else:
-                clipped_norm = torch.tensor(float("nan"))
+                clipped_norm = float("nan")
             # End new
             optimizer.step()
             scheduler.step()
@@ -152,7 +148,7 @@ def main(argv=None):
             loss_value = accelerator.reduce(loss.detach(), "mean").item()
             summary["losses"].append({"step": step, "loss": loss_value, "lr": scheduler.get_last_lr()[0]})
             # New: the pre-clip norm and the norm after clipping.
-            summary["losses"][-1].update(grad_norm=grad_norm.item(), grad_norm_after_clip=clipped_norm.item())
+            summary["losses"][-1].update(grad_norm=as_float(grad_norm), grad_norm_after_clip=as_float(clipped_norm))
             # End new
             if step % cfg.log_every == 0 or step == cfg.max_steps:
                 elapsed = time.perf_counter() - interval_start
@@ -170,13 +166,9 @@ def main(argv=None):
     bar.close()
 
     if cfg.save_model:
-        out = checkpoint.export_pretrained(accelerator, model, tokenizer, f"{cfg.output_dir}/model")
-        probe = eval_set[0]["input_ids"][:8]
-        summary["export"] = {"path": str(out), "probe_input_ids": probe.tolist(),
-                             "probe_logits": checkpoint.probe_logits(accelerator, model, probe)}
-    summary["peak_memory_per_rank"] = metrics.peak_memory(accelerator)
+        summary["export"] = str(export_pretrained(accelerator, model, tokenizer, f"{cfg.output_dir}/model"))
     if accelerator.is_main_process:
-        metrics.write_summary(f"{cfg.output_dir}/run_summary.json", summary)
+        write_json(f"{cfg.output_dir}/run_summary.json", summary)
         print(f"done: {step} steps -> {cfg.output_dir}", flush=True)
     accelerator.wait_for_everyone()  # no rank tears down the process group while another still uses it
     accelerator.end_training()

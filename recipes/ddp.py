@@ -23,26 +23,29 @@ The delta against bf16_baseline.py is marked `# New:`.
 
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from accelerate import Accelerator
-# New: DDP's bucket setting and a cross-rank gather for the per-rank sample record.
-from accelerate.utils import DistributedDataParallelKwargs, gather_object, set_seed
+# New: DDP's bucket setting.
+from accelerate.utils import DistributedDataParallelKwargs, set_seed
 # End new
 from tqdm.auto import tqdm
 
-from common import checkpoint, config, data, metrics, strategy
+from common import config, data, guard
 from common import model as modeling
-from common.schedule import build_scheduler
+from common.export import export_pretrained
+from common.files import write_json
+
+
+@dataclass
+class Options(config.RecipeConfig):
+    """The core options: run, model, data, optimizer, eval and export."""
 
 
 def main(argv=None):
-    cfg = config.parse_config(argv)
+    cfg = config.parse(Options, argv, recipe=Path(__file__).name)
     modeling.check_seq_len(cfg)
-    if cfg.save_every or cfg.resume_from_checkpoint:
-        raise config.ConfigError(f"{Path(__file__).name} writes no resumable checkpoints; use recipes/train.py")
-    if cfg.gradient_accumulation_steps != 1:
-        raise config.ConfigError(f"{Path(__file__).name} does not accumulate gradients; use recipes/train.py")
 
     # Mixed precision, device and process count come from the launch config. The LR schedule is
     # stepped by us once per optimizer step (accelerate would step it world_size times).
@@ -50,7 +53,7 @@ def main(argv=None):
     # views into DDP's all-reduce buckets: one gradient-sized copy less (4 bytes/parameter).
     ddp_kwargs = DistributedDataParallelKwargs(gradient_as_bucket_view=True)
     accelerator = Accelerator(step_scheduler_with_optimizer=False, kwargs_handlers=[ddp_kwargs])
-    strategy.check_launch(accelerator, Path(__file__).name, supports=("single", "ddp"))
+    guard.check_launch(accelerator, Path(__file__).name, supports=("single", "ddp"))
     # End new
     if accelerator.mixed_precision == "fp16":
         raise config.ConfigError(f"{Path(__file__).name} does not handle fp16 loss scaling; use fp16_scaler.py")
@@ -62,24 +65,23 @@ def main(argv=None):
     train_loader, eval_loader = data.build_loaders(
         cfg, train_set, eval_set, pin_memory=accelerator.device.type == "cuda"
     )
+    setup = config.setup_facts(cfg, accelerator)
     if accelerator.is_main_process:
-        print(config.describe_setup(cfg, accelerator), flush=True)
+        print(config.describe_setup(setup), flush=True)
 
     model = modeling.build_model(cfg, len(tokenizer))
     optimizer = modeling.build_optimizer(model, cfg, accelerator.device)
-    scheduler = build_scheduler(optimizer, cfg)
+    scheduler = modeling.build_scheduler(optimizer, cfg)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler
     )
 
-    summary = {"recipe": Path(__file__).name, "setup": config.setup_facts(cfg, accelerator),
-               "parameters_per_rank": metrics.parameter_facts(model, accelerator),  # at rest, after prepare
-               "optimizer_groups": metrics.optimizer_facts(optimizer),
-               "losses": [], "eval": [], "throughput": []}
+    # The run's record, kept in <output_dir>/run_summary.json: the setup, losses, evals, throughput.
+    summary = {"recipe": Path(__file__).name, "setup": setup, "losses": [], "eval": [], "throughput": []}
     tokens_per_step = cfg.micro_batch_size * cfg.seq_len * accelerator.num_processes
 
     def run_eval(step):
-        result = metrics.evaluate(model, eval_loader, accelerator, cfg.eval_batches)
+        result = modeling.evaluate(model, eval_loader, accelerator, cfg.eval_batches)
         summary["eval"].append({"step": step, **result})
         if accelerator.is_main_process:
             tqdm.write(f"step {step}: eval loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f}")
@@ -101,10 +103,6 @@ def main(argv=None):
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            # New: record which samples each rank trained on in the first step (disjoint slices).
-            if step == 1:
-                summary["first_step_samples_per_rank"] = gather_object([batch["index"].tolist()])
-            # End new
 
             # Every step's loss, averaged over ranks. .item() is a CPU-GPU sync each step: fine
             # for the baseline; train.py batches these syncs up to one per log interval.
@@ -126,13 +124,9 @@ def main(argv=None):
     bar.close()
 
     if cfg.save_model:
-        out = checkpoint.export_pretrained(accelerator, model, tokenizer, f"{cfg.output_dir}/model")
-        probe = eval_set[0]["input_ids"][:8]
-        summary["export"] = {"path": str(out), "probe_input_ids": probe.tolist(),
-                             "probe_logits": checkpoint.probe_logits(accelerator, model, probe)}
-    summary["peak_memory_per_rank"] = metrics.peak_memory(accelerator)
+        summary["export"] = str(export_pretrained(accelerator, model, tokenizer, f"{cfg.output_dir}/model"))
     if accelerator.is_main_process:
-        metrics.write_summary(f"{cfg.output_dir}/run_summary.json", summary)
+        write_json(f"{cfg.output_dir}/run_summary.json", summary)
         print(f"done: {step} steps -> {cfg.output_dir}", flush=True)
     accelerator.wait_for_everyone()  # no rank tears down the process group while another still uses it
     accelerator.end_training()

@@ -14,7 +14,7 @@ rank owning each partition. With offload, parameter partitions wait in CPU RAM b
 the optimizer step runs on the CPU (DeepSpeedCPUAdam, to which accelerate maps the recipe's
 torch AdamW with its parameter groups).
 
-Memory per rank (read from DeepSpeed's code, FACTS.md): GPU: almost nothing at rest, the gathered
+Memory per rank (read from DeepSpeed's code, docs/toolchain.md): GPU: almost nothing at rest, the gathered
 layers and activations at peak. CPU RAM: the parameter partition, a separate fp32 master copy,
 fp32 gradients and two AdamW moments: about (4 + 4 + 4 + 8)/N = 20/N bytes per parameter in fp32
 training (18/N with bf16 parameters), not the 16/N of the ZeRO paper's accounting.
@@ -22,7 +22,7 @@ training (18/N with bf16 parameters), not the 16/N of the ZeRO paper's accountin
 Communication per optimizer step: all-gather of parameters in forward and in backward and a
 reduce-scatter of gradients (like FSDP, about 1.5x DDP), plus PCIe traffic: parameters to the GPU
 twice, gradients back once. Gradient clipping is done by DeepSpeed inside its step, from
-`gradient_clipping` in the JSON, set from --max_grad_norm (common/strategy.py); the export writes
+`gradient_clipping` in the JSON, set from --max_grad_norm (below); the export writes
 the 16-bit consolidated weights (stage3_gather_16bit_weights_on_model_save).
 
 The delta against bf16_baseline.py is marked `# New:`.
@@ -30,31 +30,44 @@ The delta against bf16_baseline.py is marked `# New:`.
 
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from common import checkpoint, config, data, metrics, strategy
+from common import config, data, guard
 from common import model as modeling
-from common.schedule import build_scheduler
+from common.export import export_pretrained
+from common.files import write_json
+
+
+@dataclass
+class Options(config.RecipeConfig):
+    """The core options: run, model, data, optimizer, eval and export."""
 
 
 def main(argv=None):
-    cfg = config.parse_config(argv)
+    cfg = config.parse(Options, argv, recipe=Path(__file__).name)
     modeling.check_seq_len(cfg)
-    if cfg.save_every or cfg.resume_from_checkpoint:
-        raise config.ConfigError(f"{Path(__file__).name} writes no resumable checkpoints; use recipes/train.py")
-    if cfg.gradient_accumulation_steps != 1:
-        raise config.ConfigError(f"{Path(__file__).name} does not accumulate gradients; use recipes/train.py")
 
     # Mixed precision, device and process count come from the launch config. The LR schedule is
     # stepped by us once per optimizer step (accelerate would step it world_size times).
     accelerator = Accelerator(step_scheduler_with_optimizer=False)
-    # New: DeepSpeed ZeRO-3 only; its clipping threshold comes from --max_grad_norm.
-    strategy.check_launch(accelerator, Path(__file__).name, supports=("deepspeed",))
-    strategy.configure_deepspeed(accelerator, cfg, require_stage=3)
+    # New: DeepSpeed ZeRO-3 only. DeepSpeed clips inside its own step, at `gradient_clipping` of its
+    # config, which accelerate fills with 1.0 when the JSON says "auto": set it to --max_grad_norm
+    # (0 = off) before prepare builds the engine; a JSON with another number is refused.
+    guard.check_launch(accelerator, Path(__file__).name, supports=("deepspeed",))
+    ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+    if ds_config["zero_optimization"]["stage"] != 3:
+        raise config.ConfigError(f"{Path(__file__).name} is ZeRO-3; the DeepSpeed config has stage "
+                                 f"{ds_config['zero_optimization']['stage']}")
+    if ds_config.get("gradient_clipping", "auto") == "auto":
+        ds_config["gradient_clipping"] = cfg.max_grad_norm
+    elif float(ds_config["gradient_clipping"]) != cfg.max_grad_norm:
+        raise config.ConfigError(f"the DeepSpeed config clips at {ds_config['gradient_clipping']} but --max_grad_norm "
+                                 f"is {cfg.max_grad_norm}: set gradient_clipping to \"auto\" or pass the same value")
     # End new
     if accelerator.mixed_precision == "fp16":
         raise config.ConfigError(f"{Path(__file__).name} does not handle fp16 loss scaling; use fp16_scaler.py")
@@ -66,24 +79,23 @@ def main(argv=None):
     train_loader, eval_loader = data.build_loaders(
         cfg, train_set, eval_set, pin_memory=accelerator.device.type == "cuda"
     )
+    setup = config.setup_facts(cfg, accelerator)
     if accelerator.is_main_process:
-        print(config.describe_setup(cfg, accelerator), flush=True)
+        print(config.describe_setup(setup), flush=True)
 
     model = modeling.build_model(cfg, len(tokenizer))
     optimizer = modeling.build_optimizer(model, cfg, accelerator.device)
-    scheduler = build_scheduler(optimizer, cfg)
+    scheduler = modeling.build_scheduler(optimizer, cfg)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler
     )
 
-    summary = {"recipe": Path(__file__).name, "setup": config.setup_facts(cfg, accelerator),
-               "parameters_per_rank": metrics.parameter_facts(model, accelerator),  # at rest, after prepare
-               "optimizer_groups": metrics.optimizer_facts(optimizer),
-               "losses": [], "eval": [], "throughput": []}
+    # The run's record, kept in <output_dir>/run_summary.json: the setup, losses, evals, throughput.
+    summary = {"recipe": Path(__file__).name, "setup": setup, "losses": [], "eval": [], "throughput": []}
     tokens_per_step = cfg.micro_batch_size * cfg.seq_len * accelerator.num_processes
 
     def run_eval(step):
-        result = metrics.evaluate(model, eval_loader, accelerator, cfg.eval_batches)
+        result = modeling.evaluate(model, eval_loader, accelerator, cfg.eval_batches)
         summary["eval"].append({"step": step, **result})
         if accelerator.is_main_process:
             tqdm.write(f"step {step}: eval loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f}")
@@ -127,13 +139,9 @@ def main(argv=None):
     bar.close()
 
     if cfg.save_model:
-        out = checkpoint.export_pretrained(accelerator, model, tokenizer, f"{cfg.output_dir}/model")
-        probe = eval_set[0]["input_ids"][:8]
-        summary["export"] = {"path": str(out), "probe_input_ids": probe.tolist(),
-                             "probe_logits": checkpoint.probe_logits(accelerator, model, probe)}
-    summary["peak_memory_per_rank"] = metrics.peak_memory(accelerator)
+        summary["export"] = str(export_pretrained(accelerator, model, tokenizer, f"{cfg.output_dir}/model"))
     if accelerator.is_main_process:
-        metrics.write_summary(f"{cfg.output_dir}/run_summary.json", summary)
+        write_json(f"{cfg.output_dir}/run_summary.json", summary)
         print(f"done: {step} steps -> {cfg.output_dir}", flush=True)
     accelerator.wait_for_everyone()  # no rank tears down the process group while another still uses it
     accelerator.end_training()

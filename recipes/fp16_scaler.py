@@ -24,6 +24,7 @@ The delta against bf16_baseline.py is marked `# New:`.
 
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from accelerate import Accelerator
@@ -32,25 +33,29 @@ from accelerate.utils import GradScalerKwargs, set_seed
 # End new
 from tqdm.auto import tqdm
 
-from common import checkpoint, config, data, metrics, strategy
+from common import config, data, guard
 from common import model as modeling
-from common.schedule import build_scheduler
+from common.export import export_pretrained
+from common.files import write_json
+
+
+# New: the GradScaler's option (--fp16_init_scale).
+@dataclass
+class Options(config.Fp16Options, config.RecipeConfig):
+    """The core options, and the GradScaler's initial scale."""
+# End new
 
 
 def main(argv=None):
-    cfg = config.parse_config(argv)
+    cfg = config.parse(Options, argv, recipe=Path(__file__).name)
     modeling.check_seq_len(cfg)
-    if cfg.save_every or cfg.resume_from_checkpoint:
-        raise config.ConfigError(f"{Path(__file__).name} writes no resumable checkpoints; use recipes/train.py")
-    if cfg.gradient_accumulation_steps != 1:
-        raise config.ConfigError(f"{Path(__file__).name} does not accumulate gradients; use recipes/train.py")
 
     # Mixed precision, device and process count come from the launch config. The LR schedule is
     # stepped by us once per optimizer step (accelerate would step it world_size times).
     # New: fp16 with a GradScaler, one process or DDP; any other precision belongs to another recipe.
     scaler_kwargs = GradScalerKwargs(init_scale=cfg.fp16_init_scale)
     accelerator = Accelerator(step_scheduler_with_optimizer=False, kwargs_handlers=[scaler_kwargs])
-    strategy.check_launch(accelerator, Path(__file__).name, supports=("single", "ddp"))
+    guard.check_launch(accelerator, Path(__file__).name, supports=("single", "ddp"))
     if accelerator.mixed_precision != "fp16":
         raise config.ConfigError(f"{Path(__file__).name} trains in fp16; launch it with accelerate_configs/fp16.yaml")
     # End new
@@ -62,24 +67,23 @@ def main(argv=None):
     train_loader, eval_loader = data.build_loaders(
         cfg, train_set, eval_set, pin_memory=accelerator.device.type == "cuda"
     )
+    setup = config.setup_facts(cfg, accelerator)
     if accelerator.is_main_process:
-        print(config.describe_setup(cfg, accelerator), flush=True)
+        print(config.describe_setup(setup), flush=True)
 
     model = modeling.build_model(cfg, len(tokenizer))
     optimizer = modeling.build_optimizer(model, cfg, accelerator.device)
-    scheduler = build_scheduler(optimizer, cfg)
+    scheduler = modeling.build_scheduler(optimizer, cfg)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler
     )
 
-    summary = {"recipe": Path(__file__).name, "setup": config.setup_facts(cfg, accelerator),
-               "parameters_per_rank": metrics.parameter_facts(model, accelerator),  # at rest, after prepare
-               "optimizer_groups": metrics.optimizer_facts(optimizer),
-               "losses": [], "eval": [], "throughput": []}
+    # The run's record, kept in <output_dir>/run_summary.json: the setup, losses, evals, throughput.
+    summary = {"recipe": Path(__file__).name, "setup": setup, "losses": [], "eval": [], "throughput": []}
     tokens_per_step = cfg.micro_batch_size * cfg.seq_len * accelerator.num_processes
 
     def run_eval(step):
-        result = metrics.evaluate(model, eval_loader, accelerator, cfg.eval_batches)
+        result = modeling.evaluate(model, eval_loader, accelerator, cfg.eval_batches)
         summary["eval"].append({"step": step, **result})
         if accelerator.is_main_process:
             tqdm.write(f"step {step}: eval loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f}")
@@ -136,13 +140,9 @@ def main(argv=None):
     bar.close()
 
     if cfg.save_model:
-        out = checkpoint.export_pretrained(accelerator, model, tokenizer, f"{cfg.output_dir}/model")
-        probe = eval_set[0]["input_ids"][:8]
-        summary["export"] = {"path": str(out), "probe_input_ids": probe.tolist(),
-                             "probe_logits": checkpoint.probe_logits(accelerator, model, probe)}
-    summary["peak_memory_per_rank"] = metrics.peak_memory(accelerator)
+        summary["export"] = str(export_pretrained(accelerator, model, tokenizer, f"{cfg.output_dir}/model"))
     if accelerator.is_main_process:
-        metrics.write_summary(f"{cfg.output_dir}/run_summary.json", summary)
+        write_json(f"{cfg.output_dir}/run_summary.json", summary)
         print(f"done: {step} steps -> {cfg.output_dir}", flush=True)
     accelerator.wait_for_everyone()  # no rank tears down the process group while another still uses it
     accelerator.end_training()

@@ -20,41 +20,62 @@ one prefetched) and the activations.
 
 Communication per optimizer step: all-gather of parameters in forward and again in backward, and a
 reduce-scatter of gradients: about 1.5x DDP's volume, overlapped with compute by prefetching the
-next layer. Gradients are reduced in fp32 (common/strategy.py; the YAML has no key for it).
+next layer. Gradients are reduced in fp32 (set below; the YAML has no key for it).
 
-Export: the sharded model is gathered into full tensors on rank 0 (common/checkpoint.py) and
+Export: the sharded model is gathered into full tensors on rank 0 (common/export.py) and
 written as one Hugging Face folder. The delta against bf16_baseline.py is marked `# New:`.
 """
 
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+# New: FSDP2's plugin and the policies it is given here.
+import os
+
+import torch
+from accelerate import FullyShardedDataParallelPlugin
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+# End new
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from common import checkpoint, config, data, metrics, strategy
+from common import config, data, guard
 from common import model as modeling
-from common.schedule import build_scheduler
+from common.export import export_pretrained
+from common.files import write_json
+
+
+@dataclass
+class Options(config.RecipeConfig):
+    """The core options: run, model, data, optimizer, eval and export."""
 
 
 def main(argv=None):
-    cfg = config.parse_config(argv)
+    cfg = config.parse(Options, argv, recipe=Path(__file__).name)
     modeling.check_seq_len(cfg)
-    if cfg.save_every or cfg.resume_from_checkpoint:
-        raise config.ConfigError(f"{Path(__file__).name} writes no resumable checkpoints; use recipes/train.py")
-    if cfg.gradient_accumulation_steps != 1:
-        raise config.ConfigError(f"{Path(__file__).name} does not accumulate gradients; use recipes/train.py")
 
     # Mixed precision, device and process count come from the launch config. The LR schedule is
     # stepped by us once per optimizer step (accelerate would step it world_size times).
-    # New: FSDP2 from the launch config, plus fp32 gradient reduction and one shard unit per block of
-    # the model's own class (common/strategy.py). This recipe is about full shard: a config with
-    # fsdp_reshard_after_forward: false is refused.
+    # New: FSDP2 from the launch config (fsdp.yaml), plus the two policies its YAML cannot express.
+    # Mixed precision: compute in bf16/fp16 copies of the weights, but reduce-scatter gradients in
+    # fp32 (accelerate would reduce in the compute dtype, summing N ranks' contributions with an
+    # 8-bit mantissa); twice the reduce-scatter bytes, the sum exact to fp32 (torchtitan's default).
+    # Offload (fsdp_offload_params): pinned host memory only where there is a GPU (accelerate
+    # always pins, and pinning fails without one). Shard units: accelerate wraps every block of
+    # the model's own class (its _no_split_modules: LlamaDecoderLayer, GPT2Block...) and the root.
+    policies = {}
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(os.environ.get("ACCELERATE_MIXED_PRECISION"))
+    if compute is not None:
+        policies["mixed_precision_policy"] = MixedPrecisionPolicy(
+            param_dtype=compute, reduce_dtype=torch.float32, output_dtype=compute)
+    if guard.flag("FSDP_OFFLOAD_PARAMS"):
+        policies["cpu_offload"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     accelerator = Accelerator(step_scheduler_with_optimizer=False,
-                              fsdp_plugin=strategy.fsdp_plugin(modeling.model_config(cfg)))
-    strategy.check_launch(accelerator, Path(__file__).name, supports=("fsdp",))
+                              fsdp_plugin=FullyShardedDataParallelPlugin(**policies))
+    guard.check_launch(accelerator, Path(__file__).name, supports=("fsdp",))
     if not accelerator.state.fsdp_plugin.reshard_after_forward:
         raise config.ConfigError(f"{Path(__file__).name} needs fsdp_reshard_after_forward: true (full shard)")
     # End new
@@ -68,24 +89,23 @@ def main(argv=None):
     train_loader, eval_loader = data.build_loaders(
         cfg, train_set, eval_set, pin_memory=accelerator.device.type == "cuda"
     )
+    setup = config.setup_facts(cfg, accelerator)
     if accelerator.is_main_process:
-        print(config.describe_setup(cfg, accelerator), flush=True)
+        print(config.describe_setup(setup), flush=True)
 
     model = modeling.build_model(cfg, len(tokenizer))
     optimizer = modeling.build_optimizer(model, cfg, accelerator.device)
-    scheduler = build_scheduler(optimizer, cfg)
+    scheduler = modeling.build_scheduler(optimizer, cfg)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler
     )
 
-    summary = {"recipe": Path(__file__).name, "setup": config.setup_facts(cfg, accelerator),
-               "parameters_per_rank": metrics.parameter_facts(model, accelerator),  # at rest, after prepare
-               "optimizer_groups": metrics.optimizer_facts(optimizer),
-               "losses": [], "eval": [], "throughput": []}
+    # The run's record, kept in <output_dir>/run_summary.json: the setup, losses, evals, throughput.
+    summary = {"recipe": Path(__file__).name, "setup": setup, "losses": [], "eval": [], "throughput": []}
     tokens_per_step = cfg.micro_batch_size * cfg.seq_len * accelerator.num_processes
 
     def run_eval(step):
-        result = metrics.evaluate(model, eval_loader, accelerator, cfg.eval_batches)
+        result = modeling.evaluate(model, eval_loader, accelerator, cfg.eval_batches)
         summary["eval"].append({"step": step, **result})
         if accelerator.is_main_process:
             tqdm.write(f"step {step}: eval loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f}")
@@ -128,13 +148,9 @@ def main(argv=None):
     bar.close()
 
     if cfg.save_model:
-        out = checkpoint.export_pretrained(accelerator, model, tokenizer, f"{cfg.output_dir}/model")
-        probe = eval_set[0]["input_ids"][:8]
-        summary["export"] = {"path": str(out), "probe_input_ids": probe.tolist(),
-                             "probe_logits": checkpoint.probe_logits(accelerator, model, probe)}
-    summary["peak_memory_per_rank"] = metrics.peak_memory(accelerator)
+        summary["export"] = str(export_pretrained(accelerator, model, tokenizer, f"{cfg.output_dir}/model"))
     if accelerator.is_main_process:
-        metrics.write_summary(f"{cfg.output_dir}/run_summary.json", summary)
+        write_json(f"{cfg.output_dir}/run_summary.json", summary)
         print(f"done: {step} steps -> {cfg.output_dir}", flush=True)
     accelerator.wait_for_everyone()  # no rank tears down the process group while another still uses it
     accelerator.end_training()

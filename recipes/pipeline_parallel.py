@@ -33,28 +33,35 @@ pipeline. The delta against bf16_baseline.py is marked `# New:`.
 
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-# New: the pipeline stages and their schedule (the export is the pipeline's, not common/checkpoint's)
+from common import config, data, guard
+from common import model as modeling
+from common.files import write_json
+# New: the pipeline stages and their schedule (the export is the pipeline's, not common/export's)
 import dataclasses
 
 from accelerate.utils import gather_object
 
-from common import config, data, metrics, parallel, strategy
+from train_extras import parallel
 # End new
-from common import model as modeling
-from common.schedule import build_scheduler
+
+
+# New: --gradient_accumulation_steps is the number of micro-batches in flight per pipeline step.
+@dataclass
+class Options(config.AccumulationOptions, config.RecipeConfig):
+    """The core options, and the micro-batches per step (--gradient_accumulation_steps)."""
+# End new
 
 
 def main(argv=None):
-    cfg = config.parse_config(argv)
+    cfg = config.parse(Options, argv, recipe=Path(__file__).name)
     modeling.check_seq_len(cfg)
-    if cfg.save_every or cfg.resume_from_checkpoint:
-        raise config.ConfigError(f"{Path(__file__).name} writes no resumable checkpoints; use recipes/train.py")
     # New: --gradient_accumulation_steps is the number of micro-batches per step, one pipeline step
     micro_batches = cfg.gradient_accumulation_steps
     # End new
@@ -63,7 +70,7 @@ def main(argv=None):
     # stepped by us once per optimizer step (accelerate would step it world_size times).
     accelerator = Accelerator(step_scheduler_with_optimizer=False)
     # New: every rank a stage: at least 2 processes, no more than the model's layers
-    strategy.check_launch(accelerator, Path(__file__).name, supports=("ddp",))
+    guard.check_launch(accelerator, Path(__file__).name, supports=("ddp",))
     model_cfg = modeling.model_config(cfg)
     if not 2 <= accelerator.num_processes <= model_cfg.num_hidden_layers:
         raise config.ConfigError(f"{Path(__file__).name} needs 2 to {model_cfg.num_hidden_layers} processes (one "
@@ -84,24 +91,22 @@ def main(argv=None):
         dataclasses.replace(cfg, micro_batch_size=cfg.micro_batch_size * micro_batches), train_set, eval_set,
         pin_memory=accelerator.device.type == "cuda")
     # End new
+    # New: one batch of micro_batch_size x micro-batches for all the stages
+    setup = config.setup_facts(cfg, accelerator, data_ranks=1)
+    # End new
     if accelerator.is_main_process:
-        # New: one batch of micro_batch_size x micro-batches for all the stages
-        print(config.describe_setup(cfg, accelerator, data_ranks=1), flush=True)
-        # End new
+        print(config.describe_setup(setup), flush=True)
 
     # New: the same full model on every rank (same seed), then this rank's stage of it
     pipeline = parallel.Pipeline(modeling.build_model(cfg, len(tokenizer)), accelerator, micro_batches)
     model = pipeline.module  # this stage's layers: what this rank trains
     optimizer = modeling.build_optimizer(model, cfg, accelerator.device)
-    scheduler = build_scheduler(optimizer, cfg)
+    scheduler = modeling.build_scheduler(optimizer, cfg)
     # End new
 
-    summary = {"recipe": Path(__file__).name, "setup": config.setup_facts(cfg, accelerator),
-               "parameters_per_rank": metrics.parameter_facts(model, accelerator),  # at rest, after prepare
-               "optimizer_groups": metrics.optimizer_facts(optimizer),
-               "losses": [], "eval": [], "throughput": []}
+    # The run's record, kept in <output_dir>/run_summary.json: the setup, losses, evals, throughput.
+    summary = {"recipe": Path(__file__).name, "setup": setup, "losses": [], "eval": [], "throughput": []}
     # New: one batch for the whole pipeline; which layers each stage holds
-    summary["setup"] = config.setup_facts(cfg, accelerator, data_ranks=1)
     tokens_per_step = cfg.micro_batch_size * micro_batches * cfg.seq_len
     summary["pipeline"] = {"stages": accelerator.num_processes, "micro_batches": micro_batches,
                            "layers_per_stage": gather_object([list(pipeline.layer_range)])}
@@ -158,16 +163,11 @@ def main(argv=None):
     bar.close()
 
     if cfg.save_model:
-        # New: gathered from every stage on rank 0; the probe (a whole sequence: the stages' buffers
-        # are sized for it) runs through the pipeline
-        out = pipeline.export(tokenizer, f"{cfg.output_dir}/model")
-        probe = eval_set[0]["input_ids"]
-        summary["export"] = {"path": str(out), "probe_input_ids": probe.tolist(),
-                             "probe_logits": pipeline.probe_logits(probe, cfg.micro_batch_size * micro_batches)}
+        # New: gathered from every stage on rank 0
+        summary["export"] = str(pipeline.export(tokenizer, f"{cfg.output_dir}/model"))
         # End new
-    summary["peak_memory_per_rank"] = metrics.peak_memory(accelerator)
     if accelerator.is_main_process:
-        metrics.write_summary(f"{cfg.output_dir}/run_summary.json", summary)
+        write_json(f"{cfg.output_dir}/run_summary.json", summary)
         print(f"done: {step} steps -> {cfg.output_dir}", flush=True)
     accelerator.wait_for_everyone()  # no rank tears down the process group while another still uses it
     accelerator.end_training()

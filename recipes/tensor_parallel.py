@@ -34,40 +34,43 @@ is first written by rank 0 to <output_dir>/initial_model. transformers 5.24 buil
 (ignoring a mesh passed in); with TP over every rank it is accelerate's "tp" mesh, which the recipe
 checks. transformers also splits the embedding table and the LM head over the vocabulary; the
 norms stay whole on every rank. Gradient clipping: accelerate sums the squared norms per mesh.
-Export: the DTensor shards are gathered into full tensors (common/checkpoint.py). Resumable
+Export: the DTensor shards are gathered into full tensors (common/export.py). Resumable
 checkpoints, accumulation and 2D: recipes/train.py. The delta against bf16_baseline.py is marked `# New:`.
 """
 
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from common import checkpoint, config, data, metrics, strategy
-# New: the mesh checks, transformers' TP loading, the per-parameter layout
-from common import parallel
-# End new
+from common import config, data, guard
 from common import model as modeling
-from common.schedule import build_scheduler
+from common.export import export_pretrained
+from common.files import write_json
+# New: the model-family check and transformers' TP loading (train_extras/parallel.py).
+from train_extras import parallel
+# End new
+
+
+@dataclass
+class Options(config.RecipeConfig):
+    """The core options: run, model, data, optimizer, eval and export."""
 
 
 def main(argv=None):
-    cfg = config.parse_config(argv)
+    cfg = config.parse(Options, argv, recipe=Path(__file__).name)
     modeling.check_seq_len(cfg)
-    if cfg.save_every or cfg.resume_from_checkpoint:
-        raise config.ConfigError(f"{Path(__file__).name} writes no resumable checkpoints; use recipes/train.py")
-    if cfg.gradient_accumulation_steps != 1:
-        raise config.ConfigError(f"{Path(__file__).name} does not accumulate gradients; use recipes/train.py")
 
     # Mixed precision, device and process count come from the launch config. The LR schedule is
     # stepped by us once per optimizer step (accelerate would step it world_size times).
     accelerator = Accelerator(step_scheduler_with_optimizer=False)
     # New: the mesh comes from the config's parallelism_config; TP alone (2D is train.py's). fp16 is refused.
-    strategy.check_launch(accelerator, Path(__file__).name, supports=("tp",))
-    tp_size = parallel.layout(accelerator)["tp"]  # = the world size (accelerate checks the mesh's total)
+    guard.check_launch(accelerator, Path(__file__).name, supports=("tp",))
+    tp_size = config.tensor_parallel_size(accelerator)  # = the world size (accelerate checks the mesh's total)
     parallel.check(accelerator, cfg, modeling.model_config(cfg), Path(__file__).name)
     # End new
     set_seed(cfg.seed)
@@ -78,8 +81,9 @@ def main(argv=None):
     train_loader, eval_loader = data.build_loaders(
         cfg, train_set, eval_set, pin_memory=accelerator.device.type == "cuda"
     )
+    setup = config.setup_facts(cfg, accelerator)
     if accelerator.is_main_process:
-        print(config.describe_setup(cfg, accelerator), flush=True)
+        print(config.describe_setup(setup), flush=True)
 
     # New: load with the model's TP plan. transformers shards while loading, from a saved folder.
     folder = cfg.model_name_or_path
@@ -91,24 +95,19 @@ def main(argv=None):
     model = parallel.load_with_tp_plan(folder, cfg, tp_size, accelerator)
     # End new
     optimizer = modeling.build_optimizer(model, cfg, accelerator.device)
-    scheduler = build_scheduler(optimizer, cfg)
+    scheduler = modeling.build_scheduler(optimizer, cfg)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler
     )
 
-    summary = {"recipe": Path(__file__).name, "setup": config.setup_facts(cfg, accelerator),
-               "parameters_per_rank": metrics.parameter_facts(model, accelerator),  # at rest, after prepare
-               # New: how each parameter is split (rank 0's shards); every TP rank gets the same batch
-               "tensor_parallel_parameters": parallel.parameter_layout(model),
-               # End new
-               "optimizer_groups": metrics.optimizer_facts(optimizer),
-               "losses": [], "eval": [], "throughput": []}
+    # The run's record, kept in <output_dir>/run_summary.json: the setup, losses, evals, throughput.
+    summary = {"recipe": Path(__file__).name, "setup": setup, "losses": [], "eval": [], "throughput": []}
     # New: the global batch is one rank's (the TP ranks share it)
     tokens_per_step = cfg.micro_batch_size * cfg.seq_len
     # End new
 
     def run_eval(step):
-        result = metrics.evaluate(model, eval_loader, accelerator, cfg.eval_batches)
+        result = modeling.evaluate(model, eval_loader, accelerator, cfg.eval_batches)
         summary["eval"].append({"step": step, **result})
         if accelerator.is_main_process:
             tqdm.write(f"step {step}: eval loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f}")
@@ -151,13 +150,9 @@ def main(argv=None):
     bar.close()
 
     if cfg.save_model:
-        out = checkpoint.export_pretrained(accelerator, model, tokenizer, f"{cfg.output_dir}/model")
-        probe = eval_set[0]["input_ids"][:8]
-        summary["export"] = {"path": str(out), "probe_input_ids": probe.tolist(),
-                             "probe_logits": checkpoint.probe_logits(accelerator, model, probe)}
-    summary["peak_memory_per_rank"] = metrics.peak_memory(accelerator)
+        summary["export"] = str(export_pretrained(accelerator, model, tokenizer, f"{cfg.output_dir}/model"))
     if accelerator.is_main_process:
-        metrics.write_summary(f"{cfg.output_dir}/run_summary.json", summary)
+        write_json(f"{cfg.output_dir}/run_summary.json", summary)
         print(f"done: {step} steps -> {cfg.output_dir}", flush=True)
     accelerator.wait_for_everyone()  # no rank tears down the process group while another still uses it
     accelerator.end_training()

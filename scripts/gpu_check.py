@@ -50,7 +50,7 @@ RUNS = [
     ("train.py", "fp16.yaml", "fp16"),
     ("fp16_scaler.py", "ddp.yaml", "fp16"),
     ("accumulate_and_clip.py", "ddp.yaml", "bf16"),
-    ("train.py", "fsdp_shard_grad_op.yaml", "bf16"),  # the rest of the ladder (common/plan/)
+    ("train.py", "fsdp_shard_grad_op.yaml", "bf16"),  # the rest of the ladder (tools/plan/)
     ("train.py", "fsdp_offload.yaml", "bf16"),
     ("tensor_parallel.py", "tp.yaml", "bf16"),  # model parallelism: needs several GPUs (MIN_GPUS)
     ("train.py", "tp.yaml", "bf16"),
@@ -152,7 +152,7 @@ def launch_command(recipe, config, precision, world, args, output_dir, extra_lau
 
 def row_from_summary(summary: dict, args, gpu_name: str) -> dict:
     from common.config import TrainConfig
-    from common.metrics import peak_tflops
+    from train_extras.metrics import peak_tflops
     from common.model import flops_per_token, model_config
 
     setup = summary["setup"]

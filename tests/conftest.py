@@ -14,18 +14,22 @@ import torch
 from accelerate.utils import set_seed
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common.config import TrainConfig
+from common.config import parse
 from common.data import build_tokenizer
 from common.model import build_model
+from synthetic import corpus_file
+from train_extras.options import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 
-# The debug preset, small enough that a launched run takes seconds on 2 CPU cores.
-DEBUG_ARGS = ["--preset", "debug", "--seq_len", "64", "--micro_batch_size", "8", "--builtin_corpus", "synthetic",
-              "--synthetic_documents", "2000",
-              "--max_steps", "60", "--warmup_steps", "6", "--eval_every", "30", "--log_every", "10",
-              "--sample_length", "32"]
+# The toy language of tests/synthetic.py, as a data file (2000 documents unless a test says otherwise).
+SYNTHETIC = corpus_file(2000)
+# The debug preset, small enough that a launched run takes seconds on 2 CPU cores. The options
+# every recipe has; train.py's own (e.g. --sample_length) are added where a test launches it.
+CORE_DEBUG_ARGS = ["--preset", "debug", "--seq_len", "64", "--micro_batch_size", "8", "--data_files", SYNTHETIC,
+                   "--max_steps", "60", "--warmup_steps", "6", "--eval_every", "30", "--log_every", "10"]
+DEBUG_ARGS = CORE_DEBUG_ARGS + ["--sample_length", "8"]  # train.py
 
 
 @pytest.fixture(scope="session")
@@ -33,6 +37,9 @@ def hf_home(tmp_path_factory):
     """One Hugging Face home for the session: datasets' cache is shared between launches, and
     nothing in the user's own cache is read or written."""
     return tmp_path_factory.mktemp("hf_home")
+
+
+PROBES = ROOT / "tests" / "probes"  # the test-only probes: a sitecustomize every launched process loads
 
 
 def launch_env(hf_home: Path) -> dict:
@@ -43,14 +50,21 @@ def launch_env(hf_home: Path) -> dict:
         HF_DATASETS_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
         PYTHONUNBUFFERED="1",
+        PYTHONPATH=str(PROBES),
     )
     return env
 
 
-# How each config runs as 2 CPU processes over gloo (FACTS.md): DDP through accelerate's own
-# MULTI_CPU path; FSDP2 and DeepSpeed through the CPU harness. fp32, because bf16 autocast is ~10x
-# slower on these CPUs and parity is checked at fp32 tolerances.
-_HARNESS_ENV = {"ACCELERATE_RECIPES_CPU_HARNESS": "1", "PYTHONPATH": str(ROOT / "scripts" / "cpu_harness")}
+def probe_dir(output_dir: Path) -> Path:
+    """Where the probes of a run with this --output_dir write (beside it, not inside the run's folder)."""
+    return output_dir.with_name(output_dir.name + ".probe")
+
+
+# How each config runs as 2 CPU processes over gloo (docs/toolchain.md): DDP through accelerate's own
+# MULTI_CPU path; FSDP2 and DeepSpeed through the CPU harness (which the probes' sitecustomize
+# chains). fp32, because bf16 autocast is ~10x slower on these CPUs and parity is checked at fp32
+# tolerances.
+_HARNESS_ENV = {"ACCELERATE_RECIPES_CPU_HARNESS": "1"}
 TWO_CPU_PROCESSES = {
     "ddp.yaml": {"ACCELERATE_USE_CPU": "true"},
     **{config: _HARNESS_ENV for config in (
@@ -67,7 +81,10 @@ def launch_command(recipe: str, args: list[str], hf_home: Path, config: str = "c
     launch_args = launch_args if launch_args is not None else ["--num_cpu_threads_per_process", "2"]
     cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "accelerate_configs" / config), *launch_args,
            str(recipe_path or ROOT / "recipes" / recipe), *args]
-    return cmd, {**launch_env(hf_home), **(env or {})}
+    full_env = launch_env(hf_home)
+    if "--output_dir" in args:
+        full_env["ACCELERATE_RECIPES_PROBE_DIR"] = str(probe_dir(Path(args[args.index("--output_dir") + 1])))
+    return cmd, {**full_env, **(env or {})}
 
 
 def launch(recipe: str, args: list[str], hf_home: Path, config: str = "cpu.yaml", check: bool = True,
@@ -83,19 +100,63 @@ def launch(recipe: str, args: list[str], hf_home: Path, config: str = "cpu.yaml"
     return proc
 
 
+def parse_train(argv: list[str]) -> TrainConfig:
+    """train.py's option parsing, in-process."""
+    return parse(TrainConfig, argv, recipe="train.py")
+
+
 def read_summary(output_dir: Path) -> dict:
     return json.loads((output_dir / "run_summary.json").read_text())
 
 
+def read_probes(output_dir: Path) -> list[list[dict]]:
+    """Per rank, the JSON lines the probes of tests/probes/sitecustomize.py wrote, in order."""
+    files = sorted(probe_dir(output_dir).glob("rank*.jsonl"), key=lambda p: int(p.stem[4:]))
+    return [[json.loads(line) for line in f.read_text().splitlines()] for f in files]
+
+
 class Run:
+    """A finished launch: its run_summary.json (what a user keeps) and the probes' record (what
+    only the tests read: sample ids, sharding facts, export logits, memory points)."""
+
     def __init__(self, output_dir: Path, proc: subprocess.CompletedProcess):
         self.output_dir = output_dir
         self.proc = proc
         self.summary = read_summary(output_dir)
+        self.probes = read_probes(output_dir)
+
+    def probed(self, key: str) -> list[list]:
+        """Per rank, every value recorded under `key`."""
+        return [[row[key] for row in rows if key in row] for rows in self.probes]
+
+    @property
+    def final(self) -> list[dict]:
+        """Per rank, the facts recorded at end_training (strategy, sharding, export logits...)."""
+        return [values[-1] for values in self.probed("final")]
+
+    @property
+    def parameters_per_rank(self) -> list[dict]:
+        """Per rank: local and global parameter elements, and how sharded tensors are placed."""
+        return [facts["parameters"] for facts in self.final]
+
+    @property
+    def strategy(self) -> dict:
+        """What the prepared model and optimizer really are (rank 0): engine, ZeRO stage, FSDP2 policies."""
+        return self.final[0]["strategy"]
+
+    @property
+    def batches(self) -> list[list[list[int]]]:
+        """Per rank, the sample ids of every training micro-batch, in order."""
+        return self.probed("batch")
+
+    @property
+    def memory_points(self) -> list[dict]:
+        """Per rank: {point: memory in use}, points before_model, after_backward, after_step."""
+        return [{k: v for row in values for k, v in row.items()} for values in self.probed("memory")]
 
 
 # train.py also saves a checkpoint half-way, which the resume tests start from.
-TRAIN_ARGS = DEBUG_ARGS + ["--save_every", "30", "--log_sample_ids"]
+TRAIN_ARGS = DEBUG_ARGS + ["--save_every", "30"]
 
 
 @pytest.fixture(scope="session")
@@ -116,7 +177,7 @@ def baseline_run(tmp_path_factory, hf_home):
     """The bf16 baseline with the single-GPU config; on a CPU machine accelerate runs it with bf16
     autocast on the CPU (~10x slower than fp32 there, hence fewer steps)."""
     out = tmp_path_factory.mktemp("baseline_bf16")
-    args = DEBUG_ARGS + ["--max_steps", "30", "--eval_every", "15", "--output_dir", str(out)]
+    args = CORE_DEBUG_ARGS + ["--max_steps", "30", "--eval_every", "15", "--output_dir", str(out)]
     return Run(out, launch("bf16_baseline.py", args, hf_home, config="single_gpu.yaml"))
 
 
@@ -135,14 +196,17 @@ def check_loss_goes_down(summary: dict):
 
 
 def check_export_reproduces_model(run: Run):
-    """The exported folder, reloaded by plain transformers, gives the trained model's logits."""
-    export = run.summary["export"]
-    model = AutoModelForCausalLM.from_pretrained(export["path"])
-    AutoTokenizer.from_pretrained(export["path"])  # the tokenizer travels with the weights
+    """The exported folder, reloaded by plain transformers, gives the trained model's logits (fp32,
+    recorded by the probe at the end of the run)."""
+    from probes.sitecustomize import PROBE_INPUT_IDS
+
+    assert run.summary["export"] == str(run.output_dir / "model")
+    model = AutoModelForCausalLM.from_pretrained(run.summary["export"])
+    AutoTokenizer.from_pretrained(run.summary["export"])  # the tokenizer travels with the weights
     assert (run.output_dir / "model" / "model.safetensors").exists()
     with torch.no_grad():
-        logits = model(torch.tensor([export["probe_input_ids"]])).logits[0]
-    diff = (logits - torch.tensor(export["probe_logits"])).abs().max().item()
+        logits = model(torch.tensor([PROBE_INPUT_IDS])).logits[0]
+    diff = (logits - torch.tensor(run.final[0]["probe_logits"])).abs().max().item()
     assert diff < 1e-5, diff
 
 
@@ -158,15 +222,16 @@ def check_resumed_losses(full: Run, resumed: Run, half: int, tolerance: float = 
 
 def check_exact_resume(full: Run, resumed: Run, half: int, tolerance: float = 0.0):
     check_resumed_losses(full, resumed, half, tolerance)
-    # the very same samples, batch by batch, on every rank
-    for full_ids, resumed_ids in zip(full.summary["sample_ids_per_rank"], resumed.summary["sample_ids_per_rank"]):
-        assert resumed_ids == full_ids[half:]
-    assert len(resumed.summary["sample_ids_per_rank"]) == len(full.summary["sample_ids_per_rank"])
+    # the very same samples, micro-batch by micro-batch, on every rank
+    accumulation = full.summary["setup"]["options"]["gradient_accumulation_steps"]
+    assert len(resumed.batches) == len(full.batches) > 0
+    for full_ids, resumed_ids in zip(full.batches, resumed.batches):
+        assert resumed_ids == full_ids[half * accumulation:] and resumed_ids
 
 
 # ---- 2-process runs of each (recipe, config) pair, shared by the distributed and checkpoint tests ----
 # Global batch 8 like the 1-process reference: 4 sequences x 2 ranks.
-TWO_RANK_ARGS = DEBUG_ARGS + ["--micro_batch_size", "4"]
+TWO_RANK_ARGS = CORE_DEBUG_ARGS + ["--micro_batch_size", "4"]
 
 PAIRS = {
     "ddp.py/ddp.yaml": ("ddp.py", "ddp.yaml"),
@@ -202,7 +267,7 @@ def two_process_runs(tmp_path_factory, hf_home, initial_model):
             out = tmp_path_factory.mktemp(pair.replace("/", "__"))
             args = TWO_RANK_ARGS + ["--output_dir", str(out)]
             if recipe == "train.py":
-                args += ["--save_every", "30", "--log_sample_ids"]  # the resume tests start from step 30
+                args += ["--save_every", "30", "--sample_length", "8"]  # the resume tests start from step 30
             if pair.startswith("train.py/") and config != "ddp.yaml":
                 # the pretrained path: FSDP2's rank-0 loading + broadcast, ZeRO-3's partitioned load
                 args += ["--model_name_or_path", str(initial_model)]
@@ -216,7 +281,7 @@ def two_process_runs(tmp_path_factory, hf_home, initial_model):
 HARNESS = _HARNESS_ENV
 # An initial scale of 2^24 makes the first steps overflow for real (no mock): each is skipped and
 # the scale halves until the scaled gradients fit in fp16.
-FP16_ARGS = DEBUG_ARGS + ["--max_steps", "20", "--eval_every", "20", "--fp16_init_scale", "16777216"]
+FP16_ARGS = CORE_DEBUG_ARGS + ["--max_steps", "20", "--eval_every", "20", "--fp16_init_scale", "16777216"]
 
 
 @pytest.fixture(scope="session")
@@ -232,7 +297,7 @@ def fp16_train_run(tmp_path_factory, hf_home):
     """train.py with fp16, accumulation and clipping together."""
     out = tmp_path_factory.mktemp("fp16_train")
     args = FP16_ARGS + ["--micro_batch_size", "4", "--gradient_accumulation_steps", "2", "--max_grad_norm", "1.0",
-                        "--save_every", "10", "--log_sample_ids", "--output_dir", str(out)]
+                        "--save_every", "10", "--sample_length", "8", "--output_dir", str(out)]
     proc = launch("train.py", args, hf_home, config="fp16.yaml",
                   launch_args=["--cpu", "--num_cpu_threads_per_process", "2"], env=HARNESS)
     return Run(out, proc)

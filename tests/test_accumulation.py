@@ -8,10 +8,10 @@ import torch
 from accelerate.utils import set_seed
 from safetensors.torch import load_file
 
-from common.config import TrainConfig
+from train_extras.options import TrainConfig
 from common.data import build_datasets, build_tokenizer
 from common.model import build_model, causal_lm_loss
-from conftest import Run, launch, launch_two_processes
+from conftest import SYNTHETIC, Run, launch, launch_two_processes
 
 MAX_GRAD_NORM = 0.05  # below every pre-clip norm of these steps: clipping is active in each
 
@@ -31,7 +31,7 @@ def step_args(initial, micro_batch, accum, out):
     # update is ~lr * sign(gradient), blind to the gradient's size; with eps = 1 >> |gradient| it
     # is ~lr * gradient, so the updated weights show any difference in the gradients.
     return ["--model_name_or_path", str(initial), "--packing", "false", "--seq_len", "512",
-            "--builtin_corpus", "synthetic", "--synthetic_documents", "2000", "--micro_batch_size", str(micro_batch),
+            "--data_files", SYNTHETIC, "--micro_batch_size", str(micro_batch),
             "--gradient_accumulation_steps", str(accum),
             "--max_steps", "3", "--warmup_steps", "0", "--lr_schedule", "constant", "--lr", "1.0",
             "--adam_eps", "1.0", "--weight_decay", "0", "--max_grad_norm", str(MAX_GRAD_NORM),
@@ -59,8 +59,9 @@ def accumulation_runs(tmp_path_factory, hf_home, initial_tiny):
             args = step_args(initial_tiny, micro_batch, accum, out)
             if config is None:
                 proc = launch("accumulate_and_clip.py", args, hf_home)
-            else:
-                proc = launch_two_processes("accumulate_and_clip.py", config, args, hf_home)
+            else:  # (under DDP the probes also count the gradient buckets each micro-step all-reduces)
+                proc = launch_two_processes("accumulate_and_clip.py", config, args, hf_home,
+                                            env={"ACCELERATE_RECIPES_PROBE_DDP_BUCKETS": "1"})
             runs[name] = Run(out, proc)
         return runs[name]
 
@@ -90,13 +91,13 @@ def test_clipping_bounds_the_full_gradient_and_logs_the_pre_clip_norm(name, accu
 
 def test_ddp_syncs_only_on_the_last_micro_batch(accumulation_runs):
     run = accumulation_runs("DDP, 1 x 4 x 2 ranks")
-    buckets = run.summary["ddp_buckets_per_micro_step"]  # [bucket index, gradient elements] per all-reduce
+    buckets = run.probed("ddp_buckets")[0]  # rank 0: [bucket index, gradient elements] per all-reduce
     assert buckets[:3] == [[], [], []]  # no all-reduce during the 3 non-final micro-steps
     last = buckets[3]
     assert sorted(index for index, _ in last) == list(range(len(last)))  # every bucket, each once
     # ...and together they carry every gradient element exactly once (the tiny preset fits DDP's
     # default bucket, so this is one bucket here)
-    assert sum(numel for _, numel in last) == run.summary["parameters_per_rank"][0]["global_numel"]
+    assert sum(numel for _, numel in last) == run.parameters_per_rank[0]["global_numel"]
 
 
 def test_the_workload_can_tell_normalisations_apart(tmp_path, monkeypatch, initial_tiny):
@@ -105,8 +106,7 @@ def test_the_workload_can_tell_normalisations_apart(tmp_path, monkeypatch, initi
     import datasets
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path)
-    cfg = TrainConfig(model_name_or_path=str(initial_tiny), packing=False, seq_len=512, builtin_corpus="synthetic",
-                      synthetic_documents=2000)
+    cfg = TrainConfig(model_name_or_path=str(initial_tiny), packing=False, seq_len=512, data_files=[SYNTHETIC])
     train, _ = build_datasets(cfg, build_tokenizer(cfg))
     rows = [train[i] for i in range(8)]
     targets = [int((r["labels"] != -100).sum()) for r in rows]
@@ -129,10 +129,10 @@ def test_the_workload_can_tell_normalisations_apart(tmp_path, monkeypatch, initi
 def test_nonfinite_losses_are_skipped_and_counted(tmp_path, hf_home):
     """lr 1e9 blows the weights up after step 1; every later loss is NaN. Each such step is
     skipped (no NaN reaches the weights) and counted."""
-    args = ["--preset", "debug", "--seq_len", "64", "--micro_batch_size", "8", "--builtin_corpus", "synthetic",
-            "--synthetic_documents", "2000",
+    args = ["--preset", "debug", "--seq_len", "64", "--micro_batch_size", "8", "--data_files", SYNTHETIC,
             "--max_steps", "6", "--warmup_steps", "0", "--lr_schedule", "constant", "--lr", "1e9",
-            "--eval_every", "0", "--log_every", "1", "--max_nonfinite_steps", "100", "--output_dir", str(tmp_path)]
+            "--eval_every", "0", "--log_every", "1", "--max_nonfinite_steps", "100", "--sample_length", "0",
+            "--output_dir", str(tmp_path)]
     summary = Run(tmp_path, launch("train.py", args, hf_home)).summary
     losses = [row["loss"] for row in summary["losses"]]
     assert math.isfinite(losses[0]) and all(math.isnan(x) for x in losses[1:])
@@ -142,8 +142,7 @@ def test_nonfinite_losses_are_skipped_and_counted(tmp_path, hf_home):
 
 
 def test_nonfinite_losses_in_a_row_stop_the_run(tmp_path, hf_home):
-    args = ["--preset", "debug", "--seq_len", "64", "--micro_batch_size", "8", "--builtin_corpus", "synthetic",
-            "--synthetic_documents", "2000",
+    args = ["--preset", "debug", "--seq_len", "64", "--micro_batch_size", "8", "--data_files", SYNTHETIC,
             "--max_steps", "30", "--warmup_steps", "0", "--lr_schedule", "constant", "--lr", "1e9",
             "--eval_every", "0", "--output_dir", str(tmp_path / "out")]
     proc = launch("train.py", args, hf_home, check=False)

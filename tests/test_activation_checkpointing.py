@@ -3,7 +3,7 @@
 
 import torch
 
-from common.config import TrainConfig
+from train_extras.options import TrainConfig
 from common.model import build_model, causal_lm_loss
 
 VOCAB = 259

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from synthetic import corpus_file
 from conftest import (DEBUG_ARGS, FP16_ARGS, HARNESS, TRAIN_ARGS, TWO_RANK_ARGS, Run, check_exact_resume,
                       check_export_reproduces_model, launch, launch_two_processes)
 
@@ -29,7 +30,7 @@ def test_resume_is_exact_on_one_process(tmp_path, hf_home, train_run):
 ])
 def test_resume_is_exact_on_two_processes(config, tolerance, tmp_path, hf_home, two_process_runs, initial_model):
     full = two_process_runs(f"train.py/{config}")
-    args = TWO_RANK_ARGS + ["--save_every", "30", "--log_sample_ids"]
+    args = TWO_RANK_ARGS + ["--save_every", "30"]
     if config != "ddp.yaml":
         args += ["--model_name_or_path", str(initial_model)]  # as the full run; load_state replaces the weights
     resumed = Run(tmp_path, launch_two_processes("train.py", config, resume_args(args, full, 30, tmp_path), hf_home))
@@ -38,7 +39,7 @@ def test_resume_is_exact_on_two_processes(config, tolerance, tmp_path, hf_home, 
 
 def test_resume_is_exact_with_fp16(tmp_path, hf_home, fp16_train_run):
     args = FP16_ARGS + ["--micro_batch_size", "4", "--gradient_accumulation_steps", "2", "--max_grad_norm", "1.0",
-                        "--save_every", "10", "--log_sample_ids"]
+                        "--save_every", "10"]
     proc = launch("train.py", resume_args(args, fp16_train_run, 10, tmp_path), hf_home, config="fp16.yaml",
                   launch_args=["--cpu", "--num_cpu_threads_per_process", "2"], env=HARNESS)
     resumed = Run(tmp_path, proc)
@@ -48,10 +49,9 @@ def test_resume_is_exact_with_fp16(tmp_path, hf_home, fp16_train_run):
 
 
 # A small corpus: 46 batches of 8 per epoch, so step 45 sits just before the epoch boundary.
-SMALL_EPOCH_ARGS = ["--preset", "debug", "--seq_len", "64", "--micro_batch_size", "8", "--builtin_corpus", "synthetic",
-                    "--synthetic_documents", "100",
+SMALL_EPOCH_ARGS = ["--preset", "debug", "--seq_len", "64", "--micro_batch_size", "8", "--data_files", corpus_file(100),
                     "--max_steps", "50", "--warmup_steps", "5", "--eval_every", "0", "--log_every", "5",
-                    "--num_workers", "2", "--save_every", "45", "--log_sample_ids", "--save_model", "false"]
+                    "--num_workers", "2", "--save_every", "45", "--save_model", "false"]
 
 
 def test_resume_just_before_an_epoch_boundary_with_workers(tmp_path_factory, hf_home):
@@ -88,10 +88,11 @@ def test_export_from_a_saved_checkpoint(tmp_path, hf_home, train_run):
 
 
 def test_resume_from_a_folder_that_is_not_a_checkpoint_is_refused(tmp_path):
-    from common.config import ConfigError, parse_config
+    from common.config import ConfigError
+    from conftest import parse_train
 
     with pytest.raises(ConfigError, match="not a complete checkpoint"):
-        parse_config(["--resume_from_checkpoint", str(tmp_path)])
+        parse_train(["--resume_from_checkpoint", str(tmp_path)])
 
 
 def test_a_checkpoint_from_another_model_or_strategy_is_refused(tmp_path, hf_home, train_run):

@@ -2,17 +2,19 @@
 
 import pytest
 
-from common.config import ConfigError, TrainConfig, parse_config
+from common.config import ConfigError
+from train_extras.options import TrainConfig
+from conftest import parse_train
 
 
 def test_defaults():
-    cfg = parse_config([])
+    cfg = parse_train([])
     assert cfg == TrainConfig()
     assert cfg.preset == "mini" and cfg.seq_len == 256 and cfg.data_files is None
 
 
 def test_cli_types():
-    cfg = parse_config(["--lr", "1e-4", "--max_steps", "7", "--warmup_steps", "0", "--gradient_checkpointing", "--lr_schedule", "wsd",
+    cfg = parse_train(["--lr", "1e-4", "--max_steps", "7", "--warmup_steps", "0", "--gradient_checkpointing", "--lr_schedule", "wsd",
                         "--save_model", "false"])
     assert cfg.lr == 1e-4 and cfg.max_steps == 7 and cfg.gradient_checkpointing is True
     assert cfg.lr_schedule == "wsd" and cfg.save_model is False
@@ -24,7 +26,7 @@ def test_yaml_then_cli_precedence(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(f"lr: 1e-3\nmax_steps: 12\ngradient_checkpointing: true\ndata_files: [{data}, {data}]\n"
                     "model_name_or_path: null\n")
-    cfg = parse_config(["--config", str(path), "--max_steps", "5", "--warmup_steps", "2"])
+    cfg = parse_train(["--config", str(path), "--max_steps", "5", "--warmup_steps", "2"])
     assert cfg.lr == 1e-3  # YAML 1.1 reads 1e-3 as a string; the parser types it like the CLI does
     assert cfg.max_steps == 5  # the command line wins over the file
     assert cfg.gradient_checkpointing is True
@@ -32,7 +34,7 @@ def test_yaml_then_cli_precedence(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--bogus", "1"], "unknown option(s): --bogus 1"),
+    (["--bogus", "1"], "unknown option(s) for train.py: --bogus 1"),
     (["--preset", "huge"], "unknown preset 'huge'"),
     (["--max_steps", "ten"], "invalid int value: 'ten'"),
     (["--lr_schedule", "exp"], "invalid choice: 'exp'"),
@@ -43,7 +45,7 @@ def test_yaml_then_cli_precedence(tmp_path):
 ])
 def test_bad_cli(argv, message):
     with pytest.raises(ConfigError) as err:
-        parse_config(argv)
+        parse_train(argv)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
 
@@ -58,7 +60,7 @@ def test_bad_yaml(tmp_path, text, message):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
     with pytest.raises(ConfigError) as err:
-        parse_config(["--config", str(path)])
+        parse_train(["--config", str(path)])
     assert message in str(err.value)
     assert "\n" not in str(err.value)
 
@@ -67,7 +69,7 @@ def test_help_lists_every_option(capsys):
     import dataclasses
 
     with pytest.raises(SystemExit) as exit_info:
-        parse_config(["--help"])
+        parse_train(["--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     for f in dataclasses.fields(TrainConfig):

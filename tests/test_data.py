@@ -1,4 +1,4 @@
-"""Data, in-process: the generator's bytes, packing, the loader's order, the sources."""
+"""Data, in-process: the test corpus generator's bytes, packing, the loader's order, the sources."""
 
 import hashlib
 import json
@@ -7,7 +7,10 @@ import numpy as np
 import pytest
 
 from common import data
-from common.config import ConfigError, TrainConfig
+from common.config import ConfigError
+from synthetic import corpus_file, synthetic_documents
+from train_extras.metrics import bigram_entropy
+from train_extras.options import TrainConfig
 
 # sha256 of the first 4096 bytes of the default corpus (8000 documents, generator v1). The
 # generator uses only random.Random(0).random(), so this holds on every Python and platform.
@@ -24,10 +27,10 @@ def hf_cache(tmp_path, monkeypatch):
 
 
 def test_generator_bytes_are_pinned():
-    text = "".join(data.synthetic_documents(8000))
+    text = "".join(synthetic_documents(8000))
     assert text.startswith("imslhtx dfuivc clpx rsxqjn. fjtvxer mko sovoz")
     assert hashlib.sha256(text[:4096].encode()).hexdigest() == FIRST_4096_BYTES_SHA256
-    assert data.synthetic_documents(3) == data.synthetic_documents(3)
+    assert synthetic_documents(3) == synthetic_documents(3)
 
 
 def test_pack_into_blocks_loses_and_duplicates_nothing():
@@ -64,8 +67,8 @@ def test_bigram_entropy_by_hand():
     # H = P(prev=1) * H(2/5, 3/5) = 5/8 * -(0.4 ln 0.4 + 0.6 ln 0.6)
     stream = np.array([0, 1, 1, 0, 1, 0, 1, 1, 0])
     expected = 5 / 8 * -(0.4 * np.log(0.4) + 0.6 * np.log(0.6))
-    assert data.bigram_entropy(stream) == pytest.approx(expected)
-    assert data.bigram_entropy(np.array([3, 3, 3, 3])) == pytest.approx(0.0)
+    assert bigram_entropy(stream) == pytest.approx(expected)
+    assert bigram_entropy(np.array([3, 3, 3, 3])) == pytest.approx(0.0)
 
 
 def test_byte_tokenizer_roundtrip():
@@ -77,10 +80,10 @@ def test_byte_tokenizer_roundtrip():
 
 
 def test_synthetic_split_and_cache(hf_cache):
-    cfg = TrainConfig(builtin_corpus="synthetic", synthetic_documents=200, seq_len=32)
+    cfg = TrainConfig(data_files=[corpus_file(200)], seq_len=32)
     tokenizer = data.build_tokenizer(cfg)
     train, held_out = data.build_datasets(cfg, tokenizer)
-    text = "".join(data.synthetic_documents(200))
+    text = "".join(synthetic_documents(200))
     # every byte plus one EOS per document, split between the two streams
     total = len(text.encode()) + 200
     streams = sorted((hf_cache / "datasets" / "accelerate_recipes" / "streams").iterdir())

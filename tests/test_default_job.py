@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from common import data, strategy
-from common.config import TrainConfig
+from common import data
+from train_extras import strategy
+from train_extras.options import TrainConfig
 from conftest import ACCELERATE, ROOT, Run, launch_env
 
 
@@ -32,7 +33,7 @@ def quickstart_run(tmp_path_factory, hf_home):
 
 def test_the_default_job_trains_on_tiny_shakespeare(quickstart_run):
     summary = quickstart_run.summary
-    assert summary["setup"]["options"]["builtin_corpus"] == "shakespeare"
+    assert summary["setup"]["options"]["data_files"] is None and summary["setup"]["options"]["dataset_name"] is None
     assert summary["setup"]["options"]["preset"] == "mini"
     # the first 90% of 1,115,394 characters, + EOS, in blocks of 257: nanoGPT's split
     assert summary["data"]["train_blocks"] == (1_003_854 + 1) // 257
@@ -89,4 +90,5 @@ def test_shakespeare_is_kept_as_it_is():
     text = data.SHAKESPEARE.read_text()
     assert train + held_out == text and len(held_out) == len(text) - int(len(text) * 0.9)
     assert "\n\nROMEO:\n" in train
-    assert TrainConfig().builtin_corpus == "shakespeare" and TrainConfig().eval_fraction is None
+    assert TrainConfig().data_files is None and TrainConfig().dataset_name is None
+    assert TrainConfig().eval_fraction is None

@@ -34,7 +34,7 @@ import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.commands.launch import launch_command_parser
 
-from common.config import parse_config
+from conftest import parse_train
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -245,7 +245,7 @@ def test_entrypoint_and_cmd_launch_files_the_image_holds():
     launch = launch_command_parser().parse_args(words(last("CMD")))
     for needed in (launch.config_file, launch.training_script):
         assert needed in held and (ROOT / needed).is_file(), f"CMD names {needed}, which the image lacks"
-    parse_config(launch.training_script_args)  # the recipe accepts CMD's options
+    parse_train(launch.training_script_args)  # the recipe accepts CMD's options
 
 
 def test_image_user_and_volumes():
@@ -429,7 +429,7 @@ def test_multi_node_config_and_its_per_machine_commands(config):
         assert launch.config_file == f"accelerate_configs/{config.name}"
         assert launch.machine_rank == rank
         assert (ROOT / launch.training_script).is_file()
-        parse_config(launch.training_script_args)
+        parse_train(launch.training_script_args)
     assert len({(a.main_process_ip, a.main_process_port) for a in parsed.values()}) == 1
 
 
@@ -568,7 +568,7 @@ def test_sbatch_gives_each_node_its_launch_line(tmp_path):
         config = ROOT / launch.config_file
         assert config.is_file() and yaml.safe_load(config.read_text())["num_machines"] >= 2
         assert (ROOT / launch.training_script).is_file()
-        options = parse_config(launch.training_script_args)
+        options = parse_train(launch.training_script_args)
         assert options.resume_from_checkpoint == "auto"  # a requeued job resumes
         assert options.output_dir == str(tmp_path / "run")
         assert options.max_steps == 700  # sbatch's own arguments come last and win
@@ -646,7 +646,7 @@ def test_pytorchjob_launch_lines_volumes_and_secrets():
             assert (launch.main_process_ip, launch.main_process_port) == (operator["MASTER_ADDR"], port)
             assert (ROOT / launch.config_file).is_file() and (ROOT / launch.training_script).is_file()
             assert launch.num_processes == int(env["NUM_MACHINES"]) * gpus
-            options = parse_config(launch.training_script_args)
+            options = parse_train(launch.training_script_args)
             assert options.resume_from_checkpoint == "auto"
             # Checkpoints on the shared volume, so every pod (and a restarted one) sees them.
             mount = next(m for path, m in mounts.items() if options.output_dir.startswith(path + "/"))

@@ -19,7 +19,7 @@ def test_runs_the_requested_strategy_on_two_ranks(pair, two_process_runs):
     assert summary["setup"]["world_size"] == 2
     assert summary["setup"]["mixed_precision"] == "no"
     assert summary["setup"]["global_batch_sequences"] == 8
-    assert [rank["rank"] for rank in summary["parameters_per_rank"]] == [0, 1]
+    assert [rank["rank"] for rank in two_process_runs(pair).parameters_per_rank] == [0, 1]
 
 
 @pytest.mark.parametrize("pair", PAIRS)
@@ -35,25 +35,25 @@ def test_export_reloads_with_same_logits(pair, two_process_runs):
 @pytest.mark.parametrize("pair", PAIRS)
 def test_weight_decay_groups_reach_the_optimizer(pair, two_process_runs):
     """Decay on matrices only, in the optimizer that really steps (DeepSpeedCPUAdam under ZeRO-3)."""
-    groups = two_process_runs(pair).summary["optimizer_groups"]
+    groups = two_process_runs(pair).final[0]["optimizer_groups"]
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
     assert all(g["betas"] == [0.9, 0.95] and g["eps"] == 1e-8 for g in groups)
 
 
 @pytest.mark.parametrize("pair", ["ddp.py/ddp.yaml", "train.py/ddp.yaml"])
 def test_ddp_replicates_parameters(pair, two_process_runs):
-    for rank in two_process_runs(pair).summary["parameters_per_rank"]:
+    for rank in two_process_runs(pair).parameters_per_rank:
         assert rank["local_numel"] == rank["global_numel"] and rank["sharded_tensors"] == {}
 
 
 def test_ddp_ranks_train_on_different_samples(two_process_runs):
-    rank0, rank1 = two_process_runs("ddp.py/ddp.yaml").summary["first_step_samples_per_rank"]
+    rank0, rank1 = (batches[0] for batches in two_process_runs("ddp.py/ddp.yaml").batches)  # the first micro-batch
     assert len(rank0) == len(rank1) == 4 and not set(rank0) & set(rank1)
 
 
 @pytest.mark.parametrize("pair", ["fsdp_full_shard.py/fsdp.yaml", "train.py/fsdp.yaml"])
 def test_fsdp_shards_every_parameter_on_dim0(pair, two_process_runs):
-    ranks = two_process_runs(pair).summary["parameters_per_rank"]
+    ranks = two_process_runs(pair).parameters_per_rank
     total = ranks[0]["global_numel"]
     for rank in ranks:
         assert rank["sharded_tensors"] == {"('S(0)',) over mesh (2,)": NUM_PARAMETER_TENSORS}
@@ -64,7 +64,7 @@ def test_fsdp_shards_every_parameter_on_dim0(pair, two_process_runs):
 @pytest.mark.parametrize("pair", ["deepspeed_zero3_offload.py/deepspeed_zero3_offload.yaml",
                                   "train.py/deepspeed_zero3_offload.yaml"])
 def test_zero3_partitions_every_parameter(pair, two_process_runs):
-    ranks = two_process_runs(pair).summary["parameters_per_rank"]
+    ranks = two_process_runs(pair).parameters_per_rank
     total = ranks[0]["global_numel"]
     for rank in ranks:
         assert rank["sharded_tensors"] == {"zero3 partition": NUM_PARAMETER_TENSORS}

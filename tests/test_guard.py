@@ -6,7 +6,7 @@ import pytest
 from accelerate.parallelism_config import ParallelismConfig
 from accelerate.utils import DistributedType
 
-from common import strategy
+from common import guard
 from common.config import ConfigError
 from conftest import ROOT, TWO_PROCESS_LAUNCH, launch
 
@@ -49,7 +49,7 @@ def fake_accelerator(dtype=DistributedType.NO, world=1, precision="no", scaler=N
 def launched_as(monkeypatch):
     def set_env(**values):
         for key in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "WORLD_SIZE", "ACCELERATE_MIXED_PRECISION",
-                    "ACCELERATE_USE_PARALLELISM_CONFIG", "PARALLELISM_CONFIG_TP_SIZE", strategy.HARNESS_ENV):
+                    "ACCELERATE_USE_PARALLELISM_CONFIG", "PARALLELISM_CONFIG_TP_SIZE", guard.HARNESS_ENV):
             monkeypatch.delenv(key, raising=False)
         for key, value in values.items():
             monkeypatch.setenv(key, value)
@@ -59,21 +59,21 @@ def launched_as(monkeypatch):
 def test_fp16_without_a_scaler_is_refused(launched_as):
     launched_as(ACCELERATE_MIXED_PRECISION="fp16")
     with pytest.raises(ConfigError, match="fp16 without a GradScaler"):
-        strategy.check_launch(fake_accelerator(precision="fp16"), "train.py", ("single",))
+        guard.check_launch(fake_accelerator(precision="fp16"), "train.py", ("single",))
 
 
 def test_precision_mismatch_is_refused(launched_as):
     launched_as(ACCELERATE_MIXED_PRECISION="bf16")
     with pytest.raises(ConfigError, match="asks for mixed precision 'bf16' but accelerate runs 'no'"):
-        strategy.check_launch(fake_accelerator(precision="no"), "train.py", ("single",))
+        guard.check_launch(fake_accelerator(precision="no"), "train.py", ("single",))
 
 
 def test_recipe_refuses_a_strategy_it_is_not_written_for(launched_as):
     launched_as(WORLD_SIZE="2", ACCELERATE_MIXED_PRECISION="no")
     ddp = fake_accelerator(DistributedType.MULTI_GPU, world=2)
     with pytest.raises(ConfigError, match="bf16_baseline.py is written for single, not MULTI_GPU"):
-        strategy.check_launch(ddp, "bf16_baseline.py", ("single",))
-    strategy.check_launch(ddp, "ddp.py", ("single", "ddp"))  # accepted
+        guard.check_launch(ddp, "bf16_baseline.py", ("single",))
+    guard.check_launch(ddp, "ddp.py", ("single", "ddp"))  # accepted
 
 
 def test_tensor_parallel_launches_are_told_apart_and_refused_where_not_written_for(launched_as):
@@ -82,20 +82,20 @@ def test_tensor_parallel_launches_are_told_apart_and_refused_where_not_written_f
     tp = fake_accelerator(DistributedType.MULTI_GPU, world=4, mesh={"dp_shard": 1, "tp": 4})
     two_d = fake_accelerator(DistributedType.MULTI_GPU, world=4, mesh={"dp_shard": 2, "tp": 2})
     with pytest.raises(ConfigError, match=r"ddp.py is written for single, ddp, not tensor parallel \(tp\)"):
-        strategy.check_launch(tp, "ddp.py", ("single", "ddp"))
+        guard.check_launch(tp, "ddp.py", ("single", "ddp"))
     with pytest.raises(ConfigError, match=r"tensor_parallel.py is written for tp, not 2D FSDP2 x tensor parallel"):
-        strategy.check_launch(two_d, "tensor_parallel.py", ("tp",))
-    strategy.check_launch(tp, "tensor_parallel.py", ("tp",))  # accepted
-    strategy.check_launch(two_d, "train.py", ("ddp", "tp", "fsdp+tp"))  # accepted
+        guard.check_launch(two_d, "tensor_parallel.py", ("tp",))
+    guard.check_launch(tp, "tensor_parallel.py", ("tp",))  # accepted
+    guard.check_launch(two_d, "train.py", ("ddp", "tp", "fsdp+tp"))  # accepted
     # the launch asked for TP, but the Accelerator built no mesh for it
     with pytest.raises(ConfigError, match="asks for tensor parallelism but accelerate built no tensor-parallel mesh"):
-        strategy.check_launch(fake_accelerator(DistributedType.MULTI_GPU, world=4), "train.py", ("ddp", "tp"))
+        guard.check_launch(fake_accelerator(DistributedType.MULTI_GPU, world=4), "train.py", ("ddp", "tp"))
 
 
 def test_deepspeed_requested_but_not_running_is_refused(launched_as):
     launched_as(ACCELERATE_USE_DEEPSPEED="true", WORLD_SIZE="2")
     with pytest.raises(ConfigError, match="asks for DeepSpeed but accelerate runs MULTI_CPU"):
-        strategy.check_launch(fake_accelerator(DistributedType.MULTI_CPU, world=2), "train.py", ("ddp", "deepspeed"))
+        guard.check_launch(fake_accelerator(DistributedType.MULTI_CPU, world=2), "train.py", ("ddp", "deepspeed"))
 
 
 def test_harness_refuses_a_changed_accelerate(tmp_path):

@@ -1,6 +1,6 @@
 """The ZeRO / FSDP ladder: every rung's config launched once with 2 CPU processes on the `small`
 preset (113.7M parameters), checked for what really ran, for training, and for its per-rank
-model-state bytes against the planner (common/plan/) within 10%.
+model-state bytes against the planner (tools/plan/) within 10%.
 
 Memory is measured inside train.py (common/metrics.memory_in_use: glibc's count of the heap in use,
 which on CPU holds every tensor, C++ buffers included) at the second step, minus the same count
@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import pytest
 
-from common import plan
+from tools import plan
 from conftest import Run, launch_two_processes
+from synthetic import corpus_file
 
 LADDER_ARGS = ["--preset", "small", "--seq_len", "32", "--micro_batch_size", "2", "--max_steps", "4",
                "--warmup_steps", "1", "--eval_every", "0", "--log_every", "1", "--save_model", "false",
                # the synthetic corpus at lr 3e-3, where 4 steps of this model reliably lower the loss; no
                # sample at the end (300 tokens of a 114M model, every weight gathered for each token)
-               "--builtin_corpus", "synthetic", "--lr", "3e-3", "--sample_length", "0"]
+               "--data_files", corpus_file(8000), "--lr", "3e-3", "--sample_length", "0"]
 # FSDP's activation checkpointing switch, launched once (on the full-shard rung).
 EXTRA_LAUNCH_ARGS = {"fsdp.yaml": ["--fsdp_activation_checkpointing", "true"]}
 
@@ -68,17 +69,18 @@ def test_every_rung_of_the_planner_has_a_config_and_a_test():
 
 @pytest.mark.parametrize("config", RUNGS)
 def test_rung_runs_what_its_config_says_and_trains(ladder_runs, config):
-    summary = ladder_runs(config).summary
+    run = ladder_runs(config)
+    summary = run.summary
     assert summary["setup"]["world_size"] == 2
     expected = dict(EXPECTED[config])
     assert summary["setup"]["distributed_type"] == expected.pop(
         "distributed_type", "DEEPSPEED" if config.startswith("deepspeed") else "FSDP")
     expected["activation_checkpointing"] = config in EXTRA_LAUNCH_ARGS
     for key, value in expected.items():
-        assert summary["strategy"][key] == value, (key, summary["strategy"])
+        assert run.strategy[key] == value, (key, run.strategy)
     losses = [row["loss"] for row in summary["losses"]]
     assert losses[-1] < losses[0] - 0.5 and max(losses[1:]) < losses[0] + 0.5, losses
-    for rank in summary["parameters_per_rank"]:
+    for rank in run.parameters_per_rank:
         share = rank["local_numel"] / rank["global_numel"]
         assert share == pytest.approx(0.5 if config in SHARDS_PARAMETERS else 1.0, abs=0.01), rank
 
@@ -97,11 +99,12 @@ def test_rungs_that_start_from_the_same_weights_train_alike(ladder_runs):
     assert offload == pytest.approx(zero3, abs=1e-4)
 
 
-def measured(summary: dict, point: str) -> list[int]:
-    """Per rank: heap bytes in use at `point` minus before the model existed."""
-    if "host_bytes" not in summary["memory_points_per_rank"][0]["before_model"]:
-        pytest.fail("no host memory figure: common/metrics.memory_in_use needs glibc >= 2.33 (mallinfo2)")
-    return [m[point]["host_bytes"] - m["before_model"]["host_bytes"] for m in summary["memory_points_per_rank"]]
+def measured(run: Run, point: str) -> list[int]:
+    """Per rank: heap bytes in use at `point` minus before the model existed (the probes' memory points)."""
+    points = run.memory_points
+    if "host_bytes" not in points[0]["before_model"]:
+        pytest.fail("no host memory figure: tests/probes/facts.memory_in_use needs glibc >= 2.33 (mallinfo2)")
+    return [m[point]["host_bytes"] - m["before_model"]["host_bytes"] for m in points]
 
 
 @pytest.mark.parametrize("config", RUNGS)
@@ -110,9 +113,9 @@ def test_model_state_bytes_match_the_planner(ladder_runs, config):
     shape = plan.model_shape(preset="small")
     predicted = plan.model_state_bytes(config, summary["model"]["parameters"], 2, "fp32", shape=shape)
     at_rest = predicted["at_rest"]["device"]["total"] + predicted["at_rest"]["host"]["total"]
-    for value in measured(summary, "after_step"):
+    for value in measured(ladder_runs(config), "after_step"):
         assert value == pytest.approx(at_rest, rel=0.10), (value / 1e6, at_rest / 1e6)
     if not config.startswith("deepspeed"):  # DeepSpeed steps inside backward: no point with gradients held
         at_step = predicted["at_step"]["device"]["total"] + predicted["at_step"]["host"]["total"]
-        for value in measured(summary, "after_backward"):
+        for value in measured(ladder_runs(config), "after_backward"):
             assert value == pytest.approx(at_step, rel=0.10), (value / 1e6, at_step / 1e6)

@@ -16,11 +16,13 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, Qwen2Config
 
-from common import parallel, strategy
-from common.config import ConfigError, TrainConfig
+from train_extras import parallel, strategy
+from common.config import ConfigError
+from train_extras.options import TrainConfig
 from common.data import build_tokenizer
-from common.model import dimensions, flops_per_token, matmul_params
-from conftest import HARNESS, TWO_CPU_PROCESSES, TWO_PROCESS_LAUNCH, Run, check_export_reproduces_model, launch
+from train_extras.flops import dimensions, flops_per_token, matmul_params
+from conftest import (HARNESS, SYNTHETIC, TWO_CPU_PROCESSES, TWO_PROCESS_LAUNCH, Run, check_export_reproduces_model,
+                      launch)
 
 VOCAB = 259  # the byte-level tokenizer
 SHAPE = dict(num_hidden_layers=2, num_attention_heads=4, hidden_size=64, max_position_embeddings=256)
@@ -37,7 +39,7 @@ CONFIGS = ["cpu.yaml", "ddp.yaml", "fsdp.yaml", "deepspeed_zero3_offload.yaml"]
 DISTRIBUTED_TYPE = {"cpu.yaml": "NO", "ddp.yaml": "MULTI_CPU", "fsdp.yaml": "FSDP",
                     "deepspeed_zero3_offload.yaml": "DEEPSPEED"}
 # Short runs on the synthetic corpus (learnable in a few dozen steps); global batch 8.
-ARGS = ["--builtin_corpus", "synthetic", "--synthetic_documents", "2000", "--seq_len", "64", "--max_steps", "24",
+ARGS = ["--data_files", SYNTHETIC, "--seq_len", "64", "--max_steps", "24",
         "--warmup_steps", "4", "--eval_every", "24", "--log_every", "8", "--sample_length", "24"]
 
 
@@ -96,7 +98,7 @@ def test_each_family_trains_under_each_strategy(family, config, family_runs):
     assert summary["setup"]["distributed_type"] == DISTRIBUTED_TYPE[config]
     assert summary["setup"]["world_size"] == (1 if config == "cpu.yaml" else 2)
     assert summary["setup"]["global_batch_sequences"] == 8
-    assert summary["model"]["class"] == MODEL_CLASS[family]
+    assert run.final[0]["model_class"] == MODEL_CLASS[family]
     losses = [row["loss"] for row in summary["losses"]]
     assert sum(losses[-4:]) / 4 < losses[0] - 1.0, losses
     assert summary["eval"][-1]["loss"] < summary["eval"][0]["loss"] - 1.0, summary["eval"]
@@ -114,7 +116,7 @@ def test_each_family_exports_the_trained_model(family, config, family_runs):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fsdp2_shards_by_the_familys_own_block(family, family_runs):
     """Read from the prepared model: one FSDP2 unit per block of the family's class, plus the root."""
-    strategy_facts = family_runs(family, "fsdp.yaml").summary["strategy"]
+    strategy_facts = family_runs(family, "fsdp.yaml").strategy
     assert strategy_facts["engine"] == "fsdp2"
     units = strategy_facts["shard_units"]
     # accelerate also gives the embedding, final norm and LM head units of their own
@@ -128,7 +130,7 @@ def test_tied_embeddings_stay_tied(family, config, family_runs):
     ZeRO-3), and the export stores the table once and reloads tied; the others stay untied."""
     run = family_runs(family, config)
     tied = family == "gpt2"
-    assert run.summary["model"]["tied_embeddings"] is tied
+    assert all(facts["tied_embeddings"] is tied for facts in run.final)
     model = AutoModelForCausalLM.from_pretrained(run.output_dir / "model")
     assert model.config.tie_word_embeddings is tied
     assert (model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()) is tied
@@ -143,7 +145,7 @@ def test_a_family_with_a_tensor_parallel_plan_runs_under_tp(family_runs):
     run = family_runs("qwen2", "tp.yaml")
     summary = run.summary
     assert summary["setup"]["tensor_parallel_size"] == 2 and summary["setup"]["data_parallel_size"] == 1
-    layout = summary["tensor_parallel_parameters"]
+    layout = run.final[0]["tensor_parallel_parameters"]
     q = layout["model.layers.0.self_attn.q_proj.weight"]
     assert q["mesh"] == {"tp": 2} and q["local_shape"][0] * 2 == q["global_shape"][0]
     losses = [row["loss"] for row in summary["losses"]]
@@ -242,7 +244,7 @@ def test_a_config_without_the_needed_names_is_refused_in_one_line():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_memory_planner_reads_each_family(family, family_models):
-    from common.plan import model_shape
+    from tools.plan import model_shape
 
     shape = model_shape(model_name_or_path=str(family_models[family]))
     assert shape.layers == 2 and shape.hidden == 64 and shape.heads == 4

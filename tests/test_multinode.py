@@ -9,10 +9,10 @@ from __future__ import annotations
 import socket
 import subprocess
 
-from common import checkpoint
+from train_extras import checkpoint
 import pytest
 
-from conftest import ACCELERATE, HARNESS, ROOT, TWO_RANK_ARGS, Run, launch_env
+from conftest import ACCELERATE, HARNESS, ROOT, TWO_RANK_ARGS, Run, launch_env, probe_dir
 
 
 def free_port() -> int:
@@ -34,10 +34,10 @@ def test_two_nodes_train_like_one_node_with_two_processes(tmp_path, hf_home, two
     pair, cpu_env, distributed_type = TEMPLATES[template]
     out = tmp_path / "shared_output"
     port = str(free_port())
-    args = TWO_RANK_ARGS + ["--save_every", "30", "--log_sample_ids", "--output_dir", str(out)]  # as the fixture
+    args = TWO_RANK_ARGS + ["--save_every", "30", "--sample_length", "8", "--output_dir", str(out)]  # as the fixture
     if distributed_type == "FSDP":
         args += ["--model_name_or_path", str(initial_model)]  # as the fixture
-    env = {**launch_env(hf_home), **cpu_env}
+    env = {**launch_env(hf_home), **cpu_env, "ACCELERATE_RECIPES_PROBE_DIR": str(probe_dir(out))}
     nodes = []
     for machine_rank in (0, 1):
         cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "accelerate_configs" / template),
@@ -55,12 +55,13 @@ def test_two_nodes_train_like_one_node_with_two_processes(tmp_path, hf_home, two
     for node, (stdout, stderr) in zip(nodes, results):
         assert node.returncode == 0, stdout[-2000:] + stderr[-4000:]
 
-    multi_node, single_node = Run(out, None).summary, two_process_runs(pair).summary
+    multi_run, single_run = Run(out, None), two_process_runs(pair)
+    multi_node, single_node = multi_run.summary, single_run.summary
     assert multi_node["setup"]["distributed_type"] == distributed_type
     assert multi_node["setup"]["world_size"] == 2
-    assert [r["rank"] for r in multi_node["parameters_per_rank"]] == [0, 1]
+    assert [r["rank"] for r in multi_run.parameters_per_rank] == [0, 1]
     assert multi_node["losses"] == single_node["losses"]  # every step's loss, lr and grad norm, bitwise
-    assert multi_node["sample_ids_per_rank"] == single_node["sample_ids_per_rank"]
+    assert multi_run.batches == single_run.batches
     assert multi_node["eval"] == single_node["eval"]
     # the checkpoints both nodes wrote into the shared folder are complete (every file, its size),
     # with each rank's RNG state

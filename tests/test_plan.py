@@ -1,4 +1,4 @@
-"""The memory planner (common/plan/): model-state formulas, measured activations against the real
+"""The memory planner (tools/plan/): model-state formulas, measured activations against the real
 model, the cheapest config that fits, the CLI and its bad-input messages (in-process)."""
 
 import json
@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from common import plan
-from common.config import TrainConfig
+from tools import plan
+from train_extras.options import TrainConfig
 from common.model import build_model, causal_lm_loss
 
 P, W = 7e9, 8

@@ -11,7 +11,8 @@ from conftest import DEBUG_ARGS, Run, check_export_reproduces_model, check_loss_
 FIRST_STEP_LOSS = 5.533900
 
 
-def check_summary(summary: dict, recipe: str, max_steps: int, precision: str):
+def check_summary(run: Run, recipe: str, max_steps: int, precision: str):
+    summary = run.summary
     setup = summary["setup"]
     assert summary["recipe"] == recipe
     assert setup["distributed_type"] == "NO" and setup["world_size"] == 1
@@ -22,13 +23,13 @@ def check_summary(summary: dict, recipe: str, max_steps: int, precision: str):
     assert all(math.isfinite(row["loss"]) and row["lr"] > 0 for row in summary["losses"])
     assert summary["eval"][0]["step"] == 0 and summary["eval"][-1]["step"] == max_steps
     assert all(row["tokens_per_s"] > 0 for row in summary["throughput"])
-    (rank0,) = summary["parameters_per_rank"]
+    (rank0,) = run.parameters_per_rank
     assert rank0["local_numel"] == rank0["global_numel"] > 0 and rank0["sharded_tensors"] == {}
-    assert len(summary["export"]["probe_logits"]) == len(summary["export"]["probe_input_ids"]) == 8
+    assert len(run.final[0]["probe_logits"]) == 8
 
 
 def test_train_summary_complete(train_run):
-    check_summary(train_run.summary, "train.py", 60, "no")
+    check_summary(train_run, "train.py", 60, "no")
     assert train_run.summary["model"]["parameters"] < 1_000_000
     assert train_run.summary["tokens_seen"] == 60 * 8 * 64
 
@@ -67,7 +68,7 @@ def test_tokenised_data_is_cached_between_runs(hf_home, train_run, train_run_aga
 
 
 def test_baseline_bf16(baseline_run):
-    check_summary(baseline_run.summary, "bf16_baseline.py", 30, "bf16")
+    check_summary(baseline_run, "bf16_baseline.py", 30, "bf16")
     check_loss_goes_down(baseline_run.summary)
     check_export_reproduces_model(baseline_run)
 
@@ -75,7 +76,7 @@ def test_baseline_bf16(baseline_run):
 def test_pretrained_start_from_local_folder(tmp_path, hf_home, train_run):
     """--model_name_or_path on a save_pretrained folder: the loaded model's held-out loss before
     any update equals the exporting run's final held-out loss (same weights, same data)."""
-    args = DEBUG_ARGS + ["--model_name_or_path", train_run.summary["export"]["path"], "--max_steps", "4",
+    args = DEBUG_ARGS + ["--model_name_or_path", train_run.summary["export"], "--max_steps", "4",
                          "--warmup_steps", "1", "--save_model", "false", "--output_dir", str(tmp_path)]
     run = Run(tmp_path, launch("train.py", args, hf_home))
     assert run.summary["eval"][0]["loss"] == pytest.approx(train_run.summary["eval"][-1]["loss"], abs=1e-5)

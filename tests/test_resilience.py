@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import runpy
 import shutil
 import signal
 import subprocess
@@ -19,9 +20,11 @@ from types import SimpleNamespace
 import pytest
 from accelerate.utils import DistributedType
 
-from common import checkpoint, preemption
-from common.config import ConfigError, TrainConfig, parse_config
-from conftest import (DEBUG_ARGS, HARNESS, ROOT, TRAIN_ARGS, TWO_CPU_PROCESSES, TWO_PROCESS_LAUNCH, TWO_RANK_ARGS, Run,
+from common.config import ConfigError
+from probes.sitecustomize import FAULT_PHASES
+from train_extras import checkpoint, preemption
+from train_extras.options import TrainConfig
+from conftest import (DEBUG_ARGS, HARNESS, PROBES, ROOT, TRAIN_ARGS, parse_train, TWO_CPU_PROCESSES, TWO_PROCESS_LAUNCH, TWO_RANK_ARGS, Run,
                       check_exact_resume, check_resumed_losses, launch, launch_command, launch_two_processes, read_summary)
 
 
@@ -131,7 +134,7 @@ def error_lines(stderr: str, prefix: str = "error: ") -> list[str]:
 
 # ---- 1. preemption ----
 # The same options as two_process_runs' train.py/ddp.yaml, so its run is the uninterrupted reference.
-DDP_ARGS = TWO_RANK_ARGS + ["--save_every", "30", "--log_sample_ids"]
+DDP_ARGS = TWO_RANK_ARGS + ["--save_every", "30"]
 
 
 def test_sigterm_to_every_worker_saves_and_the_resumed_run_matches_the_uninterrupted_one(
@@ -208,6 +211,7 @@ def test_sigterm_to_a_one_process_launcher_still_saves(tmp_path, hf_home):
 
 
 # ---- 2. crash safety: faults injected at each phase of a save, and real SIGKILLs ----
+FAULT_ENV = "ACCELERATE_RECIPES_FAULT"  # read by the probes (tests/probes/sitecustomize.py)
 FAULT_ARGS = DEBUG_ARGS + ["--lr_schedule", "constant", "--warmup_steps", "1", "--eval_every", "0",
                            "--save_model", "false", "--save_every", "2", "--save_total_limit", "2"]
 
@@ -223,12 +227,12 @@ def two_checkpoints(tmp_path_factory, hf_home):
 
 def continue_to_step_6(source: Path, out: Path, hf_home: Path, fault: str | None = None):
     shutil.copytree(source, out)
-    env = {checkpoint.FAULT_ENV: fault} if fault else {}
+    env = {FAULT_ENV: fault} if fault else {}
     args = FAULT_ARGS + ["--max_steps", "6", "--output_dir", str(out), "--resume_from_checkpoint", "auto"]
     return launch("train.py", args, hf_home, check=fault is None, env=env)
 
 
-@pytest.mark.parametrize("phase", checkpoint.FAULT_PHASES)
+@pytest.mark.parametrize("phase", FAULT_PHASES)
 def test_a_crash_at_any_phase_of_a_save_keeps_the_older_checkpoints_and_auto_finds_the_newest(
         phase, tmp_path, hf_home, two_checkpoints):
     out = tmp_path / "run"
@@ -276,7 +280,7 @@ def test_rank_0_dying_after_writing_its_fsdp2_shard_keeps_the_older_checkpoints(
     args = TWO_RANK_ARGS + ["--max_steps", "62", "--save_every", "2", "--model_name_or_path", str(initial_model),
                             "--save_model", "false", "--output_dir", str(out), "--resume_from_checkpoint", "auto"]
     proc = launch_two_processes("train.py", "fsdp.yaml", args, hf_home, check=False,
-                                env={checkpoint.FAULT_ENV: "after_shard@62"})
+                                env={FAULT_ENV: "after_shard@62"})
     assert proc.returncode != 0
     assert "stops dead at after_shard of step 62" in proc.stderr
     assert any(line.startswith("error: rank 1: a collective failed") for line in error_lines(proc.stderr)), \
@@ -346,8 +350,8 @@ def test_a_lost_rank_stops_the_other_within_the_collective_timeout(how, tmp_path
 def check_same_steps_after_a_world_size_change(full: Run, resumed: Run, half: int, tolerance: float):
     check_resumed_losses(full, resumed, half, tolerance)
     # the same samples in every step, however the step is cut into ranks
-    full_steps = [sorted(sum(ids, [])) for ids in zip(*full.summary["sample_ids_per_rank"])][half:]
-    assert [sorted(ids) for ids in resumed.summary["sample_ids_per_rank"][0]] == full_steps
+    full_steps = [sorted(sum(ids, [])) for ids in zip(*full.batches)][half:]
+    assert [sorted(ids) for ids in resumed.batches[0]] == full_steps
     assert abs(resumed.summary["eval"][-1]["loss"] - full.summary["eval"][-1]["loss"]) <= tolerance
 
 
@@ -358,7 +362,7 @@ RESHARD_TOLERANCE = 1e-5
 
 def test_an_fsdp2_checkpoint_of_2_ranks_resumes_on_1_rank(tmp_path, hf_home, two_process_runs, initial_model):
     full = two_process_runs("train.py/fsdp.yaml")
-    args = DEBUG_ARGS + ["--micro_batch_size", "8", "--save_every", "30", "--log_sample_ids",  # global batch 8 as before
+    args = DEBUG_ARGS + ["--micro_batch_size", "8", "--save_every", "30",  # global batch 8 as before
                          "--model_name_or_path", str(initial_model), "--output_dir", str(tmp_path),
                          "--resume_from_checkpoint", str(full.output_dir / "checkpoints" / "step_30")]
     proc = launch("train.py", args, hf_home, config="fsdp.yaml", env=HARNESS,
@@ -372,7 +376,7 @@ def test_an_fsdp2_checkpoint_of_2_ranks_resumes_on_1_rank(tmp_path, hf_home, two
 def test_a_ddp_checkpoint_of_2_ranks_resumes_in_one_process(tmp_path, hf_home, two_process_runs):
     """Replicated states (model, optimizer) do not depend on the world size."""
     full = two_process_runs("train.py/ddp.yaml")
-    args = DEBUG_ARGS + ["--save_every", "30", "--log_sample_ids", "--output_dir", str(tmp_path),
+    args = DEBUG_ARGS + ["--save_every", "30", "--output_dir", str(tmp_path),
                          "--resume_from_checkpoint", str(full.output_dir / "checkpoints" / "step_30")]
     resumed = Run(tmp_path, launch("train.py", args, hf_home))
     assert resumed.summary["setup"]["world_size"] == 1 and resumed.summary["resumed_from"]["world_size"] == 2
@@ -386,7 +390,7 @@ def fake_accelerator(distributed_type: DistributedType, num_processes: int):
 def test_a_zero3_checkpoint_on_another_world_size_says_what_to_run(two_process_runs):
     full = two_process_runs("train.py/deepspeed_zero3_offload.yaml")
     step_30 = full.output_dir / "checkpoints" / "step_30"
-    cfg = parse_config(DEBUG_ARGS + ["--micro_batch_size", "8"])
+    cfg = parse_train(DEBUG_ARGS + ["--micro_batch_size", "8"])
     with pytest.raises(ConfigError, match=r"saved by 2 DeepSpeed ranks; this run has 1.*resume with 2 processes, "
                                           r"or export its weights .*--max_steps 30"):
         checkpoint.check_compatible(step_30, cfg, fake_accelerator(DistributedType.DEEPSPEED, 1))
@@ -394,7 +398,7 @@ def test_a_zero3_checkpoint_on_another_world_size_says_what_to_run(two_process_r
 
 def test_a_world_size_change_inside_a_micro_step_is_refused_before_any_work(tmp_path):
     """An epoch that ended inside an optimizer step leaves a position that 8 ranks x 2 cannot start from."""
-    from common.config import TrainConfig
+    from train_extras.options import TrainConfig
 
     meta = {"step": 6, "micro_batches_done": 26, "batches_per_epoch": 25, "files": {},
             "config": {"preset": "debug", "micro_batch_size": 2, "gradient_accumulation_steps": 2, "model_name_or_path": None},
@@ -414,7 +418,7 @@ def test_a_run_into_a_folder_with_newer_checkpoints_is_refused(two_checkpoints):
 
 def test_a_change_of_global_batch_is_refused(two_process_runs):
     step_30 = two_process_runs("train.py/ddp.yaml").output_dir / "checkpoints" / "step_30"
-    cfg = parse_config(DEBUG_ARGS + ["--micro_batch_size", "4"])  # 4 x 1 rank: half the saved batch of 8
+    cfg = parse_train(DEBUG_ARGS + ["--micro_batch_size", "4"])  # 4 x 1 rank: half the saved batch of 8
     with pytest.raises(ConfigError, match="global batch of 8 sequences; this run has 4"):
         checkpoint.check_compatible(step_30, cfg, fake_accelerator(DistributedType.NO, 1))
 
@@ -465,7 +469,9 @@ def test_a_missing_fsdp_shard_is_named(tmp_path, two_process_runs):
 
 
 def test_a_fault_switch_with_an_unknown_phase_fails_loudly(monkeypatch):
-    """A typo in the test switch must not turn a fault test into a plain run that passes."""
-    monkeypatch.setenv(checkpoint.FAULT_ENV, "before_renam@6")
+    """A typo in the test switch must not turn a fault test into a plain run that passes: the
+    probe stops the process at start-up (before it patches anything)."""
+    monkeypatch.setenv(FAULT_ENV, "before_renam@6")
+    monkeypatch.delenv("ACCELERATE_RECIPES_PROBE_DIR", raising=False)
     with pytest.raises(RuntimeError, match="unknown phase"):
-        checkpoint._fault_point("before_rename", 6)
+        runpy.run_path(str(PROBES / "sitecustomize.py"))

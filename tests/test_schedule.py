@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from common.config import TrainConfig
-from common.schedule import build_scheduler
+from train_extras.options import TrainConfig
+from common.model import build_scheduler
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:

@@ -10,11 +10,12 @@ import pytest
 import torch
 from accelerate.parallelism_config import ParallelismConfig
 
-from common import parallel
-from common.checkpoint import check_compatible
-from common.config import ConfigError, TrainConfig, data_parallel_size
+from common.config import ConfigError, data_parallel_size
 from common.model import _split_by_mesh, model_config
-from conftest import (DEBUG_ARGS, HARNESS, TRAIN_ARGS, TWO_PROCESS_LAUNCH, Run, check_exact_resume,
+from train_extras import parallel
+from train_extras.checkpoint import check_compatible
+from train_extras.options import TrainConfig
+from conftest import (CORE_DEBUG_ARGS, DEBUG_ARGS, HARNESS, TRAIN_ARGS, TWO_PROCESS_LAUNCH, Run, check_exact_resume,
                       check_export_reproduces_model, check_loss_goes_down, launch)
 
 TP_LAUNCH = TWO_PROCESS_LAUNCH + ["--parallelism_config_tp_size", "2"]
@@ -28,14 +29,13 @@ def accumulate(micro: int, steps: int) -> list[str]:
 
 
 RUNS = {
-    "tensor_parallel.py/tp.yaml": ("tensor_parallel.py", "tp.yaml", TP_LAUNCH, TRAIN_ARGS[:-3]),  # no checkpoints
+    "tensor_parallel.py/tp.yaml": ("tensor_parallel.py", "tp.yaml", TP_LAUNCH, CORE_DEBUG_ARGS),  # no checkpoints
     "train.py/tp.yaml": ("train.py", "tp.yaml", TP_LAUNCH, TRAIN_ARGS + accumulate(4, 2)),
     # 4 processes on 2 cores are slow: 30 steps, saved at 15
     "train.py/fsdp_tp.yaml": ("train.py", "fsdp_tp.yaml", FSDP_TP_LAUNCH,
                               TRAIN_ARGS + accumulate(2, 2) + ["--max_steps", "30", "--save_every", "15",
                                                                 "--eval_every", "15"]),
 }
-assert TRAIN_ARGS[-3:] == ["--save_every", "30", "--log_sample_ids"]
 # bf16 (autocast around the TP model), short: bf16 is slow on CPUs without bf16 units
 BF16_TP_RUN = ("train.py", "tp.yaml", TP_LAUNCH + ["--mixed_precision", "bf16"],
                DEBUG_ARGS + ["--max_steps", "20", "--eval_every", "10"])
@@ -69,7 +69,7 @@ ROWWISE = ("o_proj", "down_proj")
 @pytest.mark.parametrize("name", RUNS)
 def test_weights_are_dtensors_sharded_over_the_tp_mesh(name, tp_runs):
     run = tp_runs(name)
-    layout = run.summary["tensor_parallel_parameters"]
+    layout = run.final[0]["tensor_parallel_parameters"]
     two_d = "fsdp_tp" in name
     expected_mesh = {"dp_shard": 2, "tp": 2} if two_d else {"tp": 2}
     checked = 0
@@ -94,7 +94,7 @@ def test_weights_are_dtensors_sharded_over_the_tp_mesh(name, tp_runs):
         # transformers' tp_plan="auto" also splits the embedding and the LM head over the 259-token vocabulary
         for pname in ("model.embed_tokens.weight", "lm_head.weight"):
             assert layout[pname]["local_shape"] == [130, 64] and layout[pname]["placements"] == ["S(0)"]
-    ranks = run.summary["parameters_per_rank"]
+    ranks = run.parameters_per_rank
     assert len(ranks) == (4 if two_d else 2)
     assert all(rank["local_numel"] < rank["global_numel"] for rank in ranks)
     # Every element of a TP-sharded matrix lives on exactly one rank; the rest (whole under TP, or
@@ -140,17 +140,17 @@ def test_setup_counts_data_parallel_ranks_only(name, tp_runs):
 
 
 def test_train_py_records_the_strategy_that_ran(tp_runs):
-    tp = tp_runs("train.py/tp.yaml").summary
-    assert tp["strategy"]["mesh"] == {"dp_shard": 1, "tp": 2} and tp["strategy"]["engine"] == "LlamaForCausalLM"
-    two_d = tp_runs("train.py/fsdp_tp.yaml").summary
-    assert two_d["strategy"]["mesh"] == {"dp_shard": 2, "tp": 2} and two_d["strategy"]["engine"] == "fsdp2"
-    assert two_d["strategy"]["reshard_after_forward"] is True
+    tp, two_d = tp_runs("train.py/tp.yaml"), tp_runs("train.py/fsdp_tp.yaml")
+    mesh = lambda run: (run.summary["setup"]["data_parallel_size"], run.summary["setup"]["tensor_parallel_size"])  # noqa: E731
+    assert mesh(tp) == (1, 2) and tp.strategy["engine"] == "LlamaForCausalLM"
+    assert mesh(two_d) == (2, 2) and two_d.strategy["engine"] == "fsdp2"
+    assert two_d.strategy["reshard_after_forward"] is True
     # one parameter group per mesh: TP-split matrices with decay, the whole LM head with decay,
     # the whole norms and embedding without (fused AdamW refuses mixed groups)
-    assert [g["weight_decay"] for g in tp["optimizer_groups"]] == [0.1, 0.1, 0.0]
+    assert [g["weight_decay"] for g in tp.final[0]["optimizer_groups"]] == [0.1, 0.1, 0.0]
     # the copies TP keeps on every rank (norms, embedding, LM head) stayed bitwise equal
     for run in (tp, two_d):
-        assert run["tensor_parallel_replica_max_difference"] == 0.0
+        assert run.final[0]["tensor_parallel_replica_max_difference"] == 0.0
 
 
 def test_bf16_under_tensor_parallel(tp_runs):

@@ -1,12 +1,7 @@
-"""The strategy: what the launch config asked for, the few settings its YAML cannot express, and
-the start-up guard that stops a run that silently became something else.
-
-accelerate decides the distributed type inside each worker from the hardware it finds, and on a
-machine without the GPUs a config assumes it falls back without an error (FACTS.md): a MULTI_GPU
-or FSDP config starts N independent single processes; with ACCELERATE_USE_CPU an FSDP config
-becomes plain DDP; fp16 on CPU runs in fp32 without a GradScaler. `accelerate launch` passes what
-the config asked for to every worker in environment variables, so each recipe compares the two
-right after building its Accelerator and stops on any difference.
+"""What train.py sets up for the strategy beyond the launch config: every core of a lone CPU
+process, FSDP2's shard unit and mixed-precision policy (for any model family), and DeepSpeed's
+clipping. The single-technique recipes (fsdp_full_shard.py, deepspeed_zero3_offload.py) set the
+same things in their own file, where a reader sees them.
 """
 
 from __future__ import annotations
@@ -17,29 +12,8 @@ import torch
 import yaml
 from accelerate.utils import DistributedType
 
-from common import parallel
 from common.config import ConfigError
-
-HARNESS_ENV = "ACCELERATE_RECIPES_CPU_HARNESS"
-
-
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "false").lower() in ("1", "true", "yes")
-
-
-def requested() -> dict:
-    """What the launch (config file + command-line overrides) asked for, as accelerate passed it on."""
-    if _flag("ACCELERATE_USE_DEEPSPEED"):
-        kind = "DEEPSPEED"
-    elif _flag("ACCELERATE_USE_FSDP"):
-        kind = "FSDP"
-    else:
-        kind = None  # plain data parallel or single process: told apart by the world size
-    return {
-        "strategy": kind,
-        "world_size": int(os.environ.get("WORLD_SIZE", "1")),
-        "mixed_precision": os.environ.get("ACCELERATE_MIXED_PRECISION", "no"),
-    }
+from common.guard import flag, requested
 
 
 def _launcher_set_threads() -> bool:
@@ -107,7 +81,7 @@ def fsdp_plugin(model_config=None):
     kwargs = {}
     if model_config is not None and os.environ.get("FSDP_AUTO_WRAP_POLICY") == "TRANSFORMER_BASED_WRAP":
         kwargs["transformer_cls_names_to_wrap"] = _blocks_to_wrap(model_config)
-    if _flag("FSDP_OFFLOAD_PARAMS"):
+    if flag("FSDP_OFFLOAD_PARAMS"):
         # accelerate builds CPUOffloadPolicy() with pinned host memory, which needs a GPU: without one
         # the first copy fails ("Cannot access accelerator device"). Pin only where there is a GPU.
         from torch.distributed.fsdp import CPUOffloadPolicy
@@ -124,7 +98,7 @@ def fsdp_plugin(model_config=None):
 
 
 def _blocks_to_wrap(model_config) -> list[str]:
-    from common.model import meta_model
+    from train_extras.flops import meta_model
 
     model = meta_model(model_config)  # structure only: no memory behind the weights
     family = type(model_config).__name__.replace("Config", "")
@@ -142,67 +116,6 @@ def _blocks_to_wrap(model_config) -> list[str]:
                           f"does not contain; its classes: {', '.join(contained)} (leave the key out to shard by "
                           f"its own blocks, {', '.join(own) or 'none declared'})")
     return named
-
-
-def check_launch(accelerator, recipe: str, supports: tuple[str, ...]) -> None:
-    """Stop unless what runs is what was asked for, and is something this recipe implements.
-
-    `supports` names the strategies the recipe is written for: "single" (one process), "ddp",
-    "fsdp", "deepspeed", "tp" (tensor parallel), "fsdp+tp" (2D; both from parallelism_config).
-    """
-    asked = requested()
-    dtype = accelerator.distributed_type
-    world = accelerator.num_processes
-    harness = os.environ.get(HARNESS_ENV) == "1"
-
-    if world != asked["world_size"]:
-        raise ConfigError(
-            f"the launch started {asked['world_size']} processes but each runs alone (distributed type "
-            f"{dtype.value}, world size {world}): accelerate found no GPU backend. On a CPU-only machine use "
-            "ACCELERATE_USE_CPU=true for DDP, or the CPU harness (scripts/cpu_harness) for FSDP/DeepSpeed"
-        )
-    if asked["strategy"] == "FSDP" and dtype != DistributedType.FSDP:
-        raise ConfigError(
-            f"the config asks for FSDP but accelerate runs {dtype.value} (with ACCELERATE_USE_CPU accelerate "
-            "turns FSDP into DDP); on CPU use the CPU harness (scripts/cpu_harness)"
-        )
-    if asked["strategy"] == "DEEPSPEED" and dtype != DistributedType.DEEPSPEED:
-        raise ConfigError(f"the config asks for DeepSpeed but accelerate runs {dtype.value}")
-    if asked["strategy"] is None and dtype in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-        raise ConfigError(f"accelerate runs {dtype.value} although the launch config did not ask for it")
-    if accelerator.mixed_precision != asked["mixed_precision"]:
-        raise ConfigError(
-            f"the config asks for mixed precision {asked['mixed_precision']!r} "
-            f"but accelerate runs {accelerator.mixed_precision!r}"
-        )
-    if accelerator.mixed_precision == "fp16" and dtype != DistributedType.DEEPSPEED and accelerator.scaler is None:
-        raise ConfigError(
-            "fp16 without a GradScaler: accelerate builds none on this device (CPU), so it would train in "
-            "fp32 while reporting fp16; use mixed_precision 'no' or 'bf16' here"
-        )
-
-    kind = {
-        DistributedType.NO: "single",
-        DistributedType.MULTI_GPU: "ddp",
-        DistributedType.MULTI_CPU: "ddp",
-        DistributedType.FSDP: "fsdp",
-        DistributedType.DEEPSPEED: "deepspeed",
-    }.get(dtype)
-    mesh = parallel.layout(accelerator)
-    if mesh is not None:
-        kind = "fsdp+tp" if mesh["dp_shard"] > 1 else "tp"
-    elif _flag("ACCELERATE_USE_PARALLELISM_CONFIG") and int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1")) > 1:
-        raise ConfigError("the config asks for tensor parallelism but accelerate built no tensor-parallel mesh")
-    if kind not in supports:
-        hint = "recipes/train.py runs with every config"
-        running = {"tp": "tensor parallel (tp)", "fsdp+tp": "2D FSDP2 x tensor parallel (fsdp+tp)"}.get(kind, dtype.value)
-        raise ConfigError(f"{recipe} is written for {', '.join(supports)}, not {running}; {hint}")
-    if kind == "fsdp":
-        plugin = accelerator.state.fsdp_plugin
-        if plugin.fsdp_version != 2:
-            raise ConfigError(f"{recipe} uses FSDP2 (fsdp_version: 2); the config has fsdp_version {plugin.fsdp_version}")
-    if harness and accelerator.device.type != "cpu":
-        raise ConfigError("the CPU harness is active on a machine where accelerate found an accelerator")
 
 
 def configure_deepspeed(accelerator, cfg, require_stage: int | None = None) -> None:

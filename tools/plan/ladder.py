@@ -95,7 +95,7 @@ class ModelShape:
 
 def load_config(preset: str | None = None, model_name_or_path: str | None = None):
     """The transformers config: a preset (byte vocabulary, 259) or a local folder's config.json."""
-    from common.config import PRESET_NAMES, TrainConfig
+    from common.config import PRESET_NAMES, RecipeConfig
     from common.model import model_config
 
     if model_name_or_path is not None:
@@ -112,7 +112,7 @@ def load_config(preset: str | None = None, model_name_or_path: str | None = None
             raise PlanError(f"cannot read {model_name_or_path}/config.json: {str(err).splitlines()[0]}")
     if preset not in PRESET_NAMES:
         raise PlanError(f"unknown preset {preset!r}; choose one of {', '.join(PRESET_NAMES)}")
-    return model_config(TrainConfig(preset=preset), vocab_size=259)
+    return model_config(RecipeConfig(preset=preset), vocab_size=259)
 
 
 @functools.lru_cache(maxsize=8)

@@ -7,7 +7,7 @@ import contextlib
 import functools
 import time
 
-from common.plan.ladder import CKPT_PROBE_TOKENS, ModelShape, PROBE_TOKENS, Rung
+from tools.plan.ladder import CKPT_PROBE_TOKENS, ModelShape, PROBE_TOKENS, Rung
 
 
 def _param_copy(t, params: dict) -> bool:
@@ -226,7 +226,7 @@ def probe_head(dims: tuple, regime: str, tokens: int) -> dict:
 def activation_bytes(shape: ModelShape, regime: str, seq_len: int, micro_batch_size: int,
                      activation_checkpointing: bool = False) -> dict:
     """Activation memory per GPU for micro_batch_size x seq_len tokens, from the CPU probes scaled
-    linearly (see common/plan/__init__.py for the O(seq) assumption).
+    linearly (see tools/plan/__init__.py for the O(seq) assumption).
 
     Returns {activations, blocks, recompute, rope, logits, weight_copies, backward, backward_block,
     backward_head, tokens, probe}:

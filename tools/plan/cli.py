@@ -1,4 +1,4 @@
-"""`python -m common.plan`: its options, their checks, and the printed table."""
+"""`python -m tools.plan`: its options, their checks, and the printed table."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import argparse
 import math
 import sys
 
-from common.plan.ladder import GB, ModelShape, PROBE_TOKENS, PlanError, model_shape
-from common.plan.advice import Request, TIGHT, advice, cheapest, evaluate, launch_line, more_gpus
-from common.plan.activations import probe_block, regime_of
+from tools.plan.ladder import GB, ModelShape, PROBE_TOKENS, PlanError, model_shape
+from tools.plan.advice import Request, TIGHT, advice, cheapest, evaluate, launch_line, more_gpus
+from tools.plan.activations import probe_block, regime_of
 
 
 class _Parser(argparse.ArgumentParser):
@@ -17,7 +17,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m common.plan", description=__doc__.split("\n\n")[0],
+    p = _Parser(prog="python -m tools.plan", description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_mutually_exclusive_group()
     m.add_argument("--preset", help="model preset of common/model.py (byte vocabulary, 259); default tiny")
@@ -156,7 +156,7 @@ def render(model, req: Request, rows: list[dict], model_args: str) -> str:
                    f"<= {req.host_memory_gb:g} GB (--host_memory_gb; the OS, CUDA contexts and data loaders "
                    "are not counted)")
     if not req.textbook:
-        out.append(f"Not an upper bound: {MEASURED_GAPS}; see common/plan/__init__.py for what is and is not modelled.")
+        out.append(f"Not an upper bound: {MEASURED_GAPS}; see tools/plan/__init__.py for what is and is not modelled.")
     out.append("")
     best = cheapest(rows)
     if best:

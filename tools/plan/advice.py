@@ -7,9 +7,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from common.plan.ladder import GB, LADDER, MAX_GPUS, ModelShape, Rung, ladder
-from common.plan.activations import activation_bytes, regime_of
-from common.plan.states import model_state_bytes
+from tools.plan.ladder import GB, LADDER, MAX_GPUS, ModelShape, Rung, ladder
+from tools.plan.activations import activation_bytes, regime_of
+from tools.plan.states import model_state_bytes
 
 
 @dataclass(frozen=True)

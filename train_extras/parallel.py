@@ -67,7 +67,7 @@ def check(accelerator, cfg, model_config, recipe: str) -> None:
         raise ConfigError(f"{recipe}: fp16 is not supported with tensor parallelism (no loss scaler here); use bf16")
     if getattr(cfg, "compile", False):
         raise ConfigError(f"{recipe}: --compile is not tested with tensor parallelism here; run without it")
-    from common.model import text_config
+    from train_extras.flops import text_config
 
     text = text_config(model_config)
     if not getattr(text, "base_model_tp_plan", None):
@@ -115,7 +115,7 @@ def parallelize(model: nn.Module, accelerator) -> nn.Module:
     if shape["dp_shard"] > 1:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        # As accelerate's FSDP2 (common/strategy.py): compute with bf16 copies, reduce gradients in fp32.
+        # As accelerate's FSDP2 (train_extras/strategy.py): compute with bf16 copies, reduce gradients in fp32.
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
         block_classes = set(getattr(model, "_no_split_modules", None) or [])
         for module in model.modules():
@@ -133,28 +133,6 @@ def parallelize(model: nn.Module, accelerator) -> nn.Module:
     return model
 
 
-def replica_max_difference(model: nn.Module, accelerator) -> float:
-    """Largest difference, over the whole run's TP groups, between the copies of what TP does not
-    split (norms, and in train.py's route embeddings and LM head; their FSDP2 shards in 2D).
-
-    Every TP rank updates its copy itself from gradients that should be bitwise equal; a
-    nondeterministic kernel would let the copies drift apart silently, and the export reads rank 0's.
-    Collective: call on every rank."""
-    import torch.distributed as dist
-
-    group = accelerator.torch_device_mesh["tp"].get_group()
-    worst = torch.zeros((), device=accelerator.device)
-    for param in model.parameters():
-        mesh = getattr(param, "device_mesh", None)
-        if mesh is not None and "tp" in mesh.mesh_dim_names:
-            continue  # split by TP: no copies
-        local = (param.to_local() if hasattr(param, "to_local") else param).detach()
-        first = local.clone()
-        dist.broadcast(first, group=group, group_src=0)
-        worst = torch.maximum(worst, (local - first).abs().max())
-    return accelerator.reduce(worst, "max").item()
-
-
 def load_with_tp_plan(folder: str, cfg, tp_size: int, accelerator) -> nn.Module:
     """transformers' own TP loading (`tp_plan="auto"`, spelled DistributedConfig in 5.24): each rank
     reads only its slice of every sharded weight from the safetensors files."""
@@ -169,25 +147,11 @@ def load_with_tp_plan(folder: str, cfg, tp_size: int, accelerator) -> nn.Module:
     meshes = {tuple(p.device_mesh.mesh.flatten().tolist()) for p in model.parameters() if hasattr(p, "device_mesh")}
     if meshes != {tuple(expected)}:
         raise ConfigError(f"transformers sharded the model over ranks {sorted(meshes)}, not accelerate's TP group "
-                          f"{expected}; this transformers version needs another route (common/parallel.parallelize)")
+                          f"{expected}; this transformers version needs another route (train_extras/parallel.parallelize)")
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
     return model
-
-
-def parameter_layout(model: nn.Module) -> dict:
-    """Per parameter: global and local shape, placements and mesh (run_summary.json)."""
-    facts = {}
-    for name, param in model.named_parameters():
-        row = {"global_shape": list(param.shape)}
-        if hasattr(param, "to_local"):
-            row.update(local_shape=list(param.to_local().shape), placements=[str(p) for p in param.placements],
-                       mesh=dict(zip(param.device_mesh.mesh_dim_names, param.device_mesh.shape)))
-        else:
-            row.update(local_shape=list(param.shape), placements=[], mesh={})
-        facts[name] = row
-    return facts
 
 
 def save_sharded(model: nn.Module, optimizer, folder: Path) -> None:
@@ -215,7 +179,7 @@ def load_sharded(model: nn.Module, optimizer, folder: Path) -> None:
 def check_pipeline_layout(model_config, recipe: str) -> None:
     """The stages below cut a Llama-layout model (model.embed_tokens, .layers, .rotary_emb, .norm:
     Llama, Qwen2, Mistral...); refuse any other layout before the model is built."""
-    from common.model import meta_model
+    from train_extras.flops import meta_model
 
     inner = getattr(meta_model(model_config), "model", None)
     missing = [name for name in ("embed_tokens", "layers", "rotary_emb", "norm") if not hasattr(inner, name)]
@@ -286,32 +250,33 @@ class Pipeline:
         return nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1),
                                            ignore_index=-100, reduction="sum") / self._step_tokens
 
-    def _run(self, input_ids, labels, train: bool, outputs: bool = False):
-        """One pass over a whole batch; returns its token-mean loss on every rank (and, with
-        outputs, the last stage's logits, None elsewhere)."""
+    def _run(self, input_ids, labels, train: bool):
+        """One pass over a whole batch; returns its token-mean loss on every rank."""
         device = self.accelerator.device
         input_ids, labels = input_ids.to(device), labels.to(device)
         self._step_tokens = (labels != -100).sum().clamp(min=1)  # every rank has the whole batch
         losses, run = [], self.schedule.step if train else self.schedule.eval
         if self.first and self.last:
-            out = run(input_ids, target=labels, losses=losses)
+            run(input_ids, target=labels, losses=losses)
         elif self.first:
-            out = run(input_ids)
+            run(input_ids)
         elif self.last:
-            out = run(target=labels, losses=losses)
+            run(target=labels, losses=losses)
         else:
-            out = run()
+            run()
         loss = torch.stack(losses).sum().detach() if self.last else torch.zeros((), device=device)
         loss = self.accelerator.reduce(loss, "sum")  # the last stage's value, on every rank
-        return (loss, out if self.last else None) if outputs else loss
+        return loss
 
     def train_step(self, input_ids, labels) -> torch.Tensor:
         return self._run(input_ids, labels, train=True)
 
     @torch.no_grad()
     def evaluate(self, eval_loader, max_batches: int = 0) -> dict:
-        """Token-weighted held-out loss. A short last batch is padded with ignored rows (labels -100)
-        to the schedule's batch size, which the stages' buffers are sized for."""
+        """Token-weighted held-out loss. Not common/model.py's evaluate: the schedule yields one loss
+        per batch, not per sequence, and every rank holds the whole batch (no gather). A short last
+        batch is padded with ignored rows (labels -100) to the schedule's batch size, which the
+        stages' buffers are sized for."""
         import math
 
         self.module.eval()
@@ -363,20 +328,3 @@ class Pipeline:
             tokenizer.save_pretrained(out_dir)
         self.accelerator.wait_for_everyone()
         return out_dir
-
-    @torch.no_grad()
-    def probe_logits(self, input_ids: torch.Tensor, batch_size: int) -> list[list[float]]:
-        """fp32 logits of the trained pipeline (through the stages, not the export) for one sequence
-        of the training length, repeated to the schedule's batch size; on every rank."""
-        self.module.eval()
-        forward = self.module.forward
-        self.module.forward = getattr(forward, "__wrapped__", forward)  # without bf16 autocast
-        batch = input_ids.unsqueeze(0).expand(batch_size, -1)
-        _, out = self._run(batch, torch.full_like(batch, -100), train=False, outputs=True)
-        self.module.forward = forward
-        self.module.train()
-        # the last stage holds the logits, rank 0 writes the summary: gather them (every rank calls this)
-        from accelerate.utils import gather_object
-
-        parts = gather_object([out[0].float().cpu().tolist() if self.last else None])
-        return next(part for part in parts if part is not None)

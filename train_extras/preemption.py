@@ -1,5 +1,6 @@
-"""Preemption: on SIGTERM or SIGUSR1, finish the optimizer step, save a checkpoint, leave a requeue
-marker, exit. Preemptible GPUs, SLURM time limits and requeues, and Kubernetes evictions all end a
+"""Preemption and lost ranks. On SIGTERM or SIGUSR1: finish the optimizer step, save a checkpoint,
+leave a requeue marker, exit (75). A rank that dies or hangs: the others stop with one line (exit 4)
+after --collective_timeout instead of hanging (`run_cli`). Preemptible GPUs, SLURM time limits and requeues, and Kubernetes evictions all end a
 job this way; none may cost more than the work since the last step.
 
 Who sends the signal, and to whom (accelerate 1.15 / torch 2.13, FACTS.md):
@@ -30,22 +31,28 @@ the marker exists; the resumed run deletes it once it has loaded the checkpoint.
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
+
+from common.config import RecipeStop, one_line
+from common.config import run_cli as config_run_cli
+from common.files import write_json
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 REQUEUE_MARKER = "requeue.json"
 EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): "temporary failure, try again"
 
 
-class Preempted(Exception):
-    """Raised after the preemption checkpoint and the marker are written; the recipe exits with EXIT_CODE."""
+class Preempted(RecipeStop):
+    """Raised after the preemption checkpoint and the marker are written: one line, exit code 75."""
+
+    exit_code, prefix = EXIT_CODE, "stopped"
 
 
 class PreemptionWatch:
@@ -89,19 +96,54 @@ def _sigterm_when_the_launcher_dies() -> None:
 
 
 def write_marker(output_dir: str | Path, step: int, checkpoint_path: Path, signal_name: str) -> Path:
-    marker = Path(output_dir) / REQUEUE_MARKER
-    tmp = marker.with_suffix(".tmp")
-    tmp.write_text(json.dumps({
+    return write_json(Path(output_dir) / REQUEUE_MARKER, {  # atomic: the scheduler never sees half a marker
         "step": step,
         "checkpoint": str(checkpoint_path),
         "signal": signal_name,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "resume_with": "--resume_from_checkpoint auto",
-    }, indent=1))
-    os.replace(tmp, marker)  # the scheduler never sees half a marker
-    return marker
+    })
 
 
 def clear_marker(output_dir: str | Path) -> None:
     """A run that has started (or resumed) must not be requeued for an old preemption."""
     (Path(output_dir) / REQUEUE_MARKER).unlink(missing_ok=True)
+
+
+# ---- a lost rank ----
+COLLECTIVE_FAILURE_EXIT_CODE = 4
+
+
+def _is_collective_failure(err: BaseException) -> bool:
+    """A collective that failed because a peer died (connection closed) or hung (timeout)."""
+    import torch.distributed as dist
+
+    if isinstance(err, dist.DistError):
+        return True
+    text = str(err).lower()
+    # gloo's words for a dead peer and for a collective timeout; NCCL's watchdog aborts the process itself
+    return isinstance(err, RuntimeError) and dist.is_initialized() and any(
+        needle in text for needle in ("connection closed by peer", "connection reset by peer", "timed out waiting",
+                                      "broken pipe"))
+
+
+def run_cli(main, argv: list[str] | None = None) -> int:
+    """config.run_cli, plus: a collective that failed because another rank died or hung (after
+    --collective_timeout) ends this rank with one line and exit code 4 instead of a hang."""
+    def main_or_lost_rank(argv):
+        try:
+            main(argv)
+        except Exception as err:
+            if not _is_collective_failure(err):
+                raise
+            import torch.distributed as dist
+
+            rank = dist.get_rank() if dist.is_initialized() else "?"
+            traceback.print_exc()  # where it failed; our one line follows, on a line of its own
+            sys.stderr.write(f"\nerror: rank {rank}: a collective failed ({one_line(err)}): another rank died or "
+                             "stopped responding (see the first error above, or --collective_timeout); stopping\n")
+            sys.stderr.flush()
+            # Skip the interpreter's teardown: destroying a process group whose peer is gone can hang.
+            os._exit(COLLECTIVE_FAILURE_EXIT_CODE)
+
+    return config_run_cli(main_or_lost_rank, argv)

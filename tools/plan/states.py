@@ -7,7 +7,7 @@ import functools
 import json
 import os
 
-from common.plan.ladder import CONFIG_DIR, DTYPE_BYTES, ModelShape, PlanError, Rung, get_rung
+from tools.plan.ladder import CONFIG_DIR, DTYPE_BYTES, ModelShape, PlanError, Rung, get_rung
 
 
 # When a term is present. "rest": between steps (after zero_grad(set_to_none=True)) and also at the

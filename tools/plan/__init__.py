@@ -1,9 +1,9 @@
 """Memory planner: will my model fit, and with which config?
 
-    python -m common.plan --preset 8b --gpus 8 --gpu_memory_gb 80 --seq_len 4096 --micro_batch_size 1
-    python -m common.plan --model_name_or_path path/to/hf_folder --gpus 4 --gpu_memory_gb 40
-    python -m common.plan --params 7e9 --gpus 8 --textbook
-    python -m common.plan --preset 8b --gpus 1 --gpu_memory_gb 16 --host_memory_gb 64
+    python -m tools.plan --preset 8b --gpus 8 --gpu_memory_gb 80 --seq_len 4096 --micro_batch_size 1
+    python -m tools.plan --model_name_or_path path/to/hf_folder --gpus 4 --gpu_memory_gb 40
+    python -m tools.plan --params 7e9 --gpus 8 --textbook
+    python -m tools.plan --preset 8b --gpus 1 --gpu_memory_gb 16 --host_memory_gb 64
 
 For every rung of LADDER (cheapest first) it prints the memory per GPU, split into parameters,
 gradients, optimizer states (master copies included), framework buffers, activations and logits,
@@ -102,12 +102,12 @@ by the launch line, or a last line "nothing fits: ..."); 2 on bad input (includi
 inf or nan), with one line "error: ..." on stderr.
 """
 
-from common.plan.activations import SavedBytes, activation_bytes, live_tracker, probe_block, probe_head, regime_of
-from common.plan.advice import TIGHT, Request, advice, cheapest, evaluate, launch_line, more_gpus, smallest_gpu_count
-from common.plan.cli import main, render
-from common.plan.ladder import (CONFIG_DIR, GB, LADDER, RUNGS, SINGLE, ModelShape, PlanError, Rung, get_rung, ladder,
+from tools.plan.activations import SavedBytes, activation_bytes, live_tracker, probe_block, probe_head, regime_of
+from tools.plan.advice import TIGHT, Request, advice, cheapest, evaluate, launch_line, more_gpus, smallest_gpu_count
+from tools.plan.cli import main, render
+from tools.plan.ladder import (CONFIG_DIR, GB, LADDER, RUNGS, SINGLE, ModelShape, PlanError, Rung, get_rung, ladder,
                                 load_config, model_shape)
-from common.plan.states import (CATEGORIES, INIT_MOMENTS, TRANSIENTS, WHEN, model_state_bytes, textbook_bytes,
+from tools.plan.states import (CATEGORIES, INIT_MOMENTS, TRANSIENTS, WHEN, model_state_bytes, textbook_bytes,
                                 zero3_init, zero_settings)
 
 __all__ = ["CATEGORIES", "CONFIG_DIR", "GB", "INIT_MOMENTS", "LADDER", "RUNGS", "SINGLE", "TIGHT", "TRANSIENTS", "WHEN",

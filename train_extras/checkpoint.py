@@ -3,7 +3,7 @@
 Resumable checkpoints: `<output_dir>/checkpoints/step_<N>/` holds accelerate's `save_state` (model,
 optimizer, scheduler, GradScaler, every rank's RNG; sharded per rank under FSDP2 and DeepSpeed;
 under tensor parallelism, where the model and optimizer are not accelerate's, their shards go to
-torch.distributed.checkpoint in `model_optimizer_dcp/`, common/parallel.py) plus `checkpoint.json`: the step, the data position, the resolved config and the list of every
+torch.distributed.checkpoint in `model_optimizer_dcp/`, train_extras/parallel.py) plus `checkpoint.json`: the step, the data position, the resolved config and the list of every
 file with its size. Rotation keeps the newest --save_total_limit by step number (never sorted as
 text: step_9 < step_10).
 
@@ -18,8 +18,7 @@ Before a resume, `verify` checks each listed file exists with its recorded size 
 missing file is named before any model is built), and `load` turns any remaining load failure into
 one line naming the checkpoint.
 
-Export: a Hugging Face folder (safetensors + config + tokenizer) that any
-`AutoModelForCausalLM.from_pretrained` can load.
+The export at the end of a run is common/export.py.
 """
 
 from __future__ import annotations
@@ -30,44 +29,15 @@ import json
 import os
 import re
 import shutil
-import sys
 
-import torch
 from accelerate.utils import DistributedType
 
-from common import parallel
-from common.config import data_parallel_size, tensor_parallel_size
+from common.config import ConfigError, data_parallel_size, one_line, tensor_parallel_size
+from common.files import write_json
+from train_extras import parallel
 
 CHECKPOINT_DIR = "checkpoints"
 METADATA = "checkpoint.json"
-
-# Test-only fault injection: ACCELERATE_RECIPES_FAULT="<phase>@<step>" stops the main process dead
-# (os._exit: no cleanup, no flush, like a kill -9 or a node loss) at that phase of that step's save.
-FAULT_ENV = "ACCELERATE_RECIPES_FAULT"
-FAULT_EXIT_CODE = 86
-FAULT_PHASES = (
-    "after_shard",      # this rank's part of save_state is written; the other ranks may still be writing
-    "during_metadata",  # checkpoint.json half written
-    "before_rename",    # everything written and synced, not yet renamed to step_<N>
-    "during_rotation",  # an old checkpoint moved aside and partly deleted
-)
-
-
-def _fault_point(phase: str, step: int, damage=None) -> None:
-    """If the test switch names this phase (and step): do `damage` (a partial operation), then stop dead."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    want_phase, _, want_step = spec.partition("@")
-    if want_phase not in FAULT_PHASES:
-        raise RuntimeError(f"{FAULT_ENV}={spec!r}: unknown phase; choose one of {', '.join(FAULT_PHASES)}")
-    if want_phase == phase and (not want_step or int(want_step) == step):
-        if damage is not None:
-            damage()
-        sys.stderr.write(f"fault injected: process {os.getpid()} stops dead at {phase} of step {step}\n")
-        sys.stderr.flush()
-        os._exit(FAULT_EXIT_CODE)
-
 
 def list_complete(output_dir: str | Path) -> list[Path]:
     """Complete checkpoints (step_<N> with checkpoint.json), oldest first by step number."""
@@ -91,8 +61,6 @@ def resolve_resume(cfg) -> Path | None:
 
 
 def read_metadata(path: str | Path) -> dict:
-    from common.config import ConfigError
-
     meta_file = Path(path) / METADATA
     try:
         meta = json.loads(meta_file.read_text())
@@ -106,8 +74,6 @@ def read_metadata(path: str | Path) -> dict:
 def verify(path: str | Path) -> dict:
     """Every file the save wrote is there with its size; return checkpoint.json. Cheap (no
     reading of the data), so it runs on every resume before any heavy work."""
-    from common.config import ConfigError
-
     path = Path(path)
     meta = read_metadata(path)
     for name, size in meta["files"].items():
@@ -129,8 +95,6 @@ def check_compatible(path: str | Path, cfg, accelerator) -> dict:
     """Refuse, before any heavy work, a checkpoint this run cannot continue: another model, another
     strategy, another global batch, or a world-size change the strategy cannot reshard. Returns
     checkpoint.json (verified)."""
-    from common.config import ConfigError
-
     meta = verify(path)
     meta_file = Path(path) / METADATA
     saved_cfg, saved_setup = meta.get("config", {}), meta.get("setup", {})
@@ -184,8 +148,6 @@ def data_position(meta: dict, cfg, world_size: int, batches_per_epoch: int) -> t
 
 
 def _samples_into_epoch(meta: dict, cfg, world_size: int) -> tuple[int, int]:
-    from common.config import ConfigError
-
     saved_cfg = meta["config"]
     saved_world = meta["setup"].get("data_parallel_size", meta["setup"]["world_size"])  # batch-splitting ranks
     epoch, skip = divmod(meta["micro_batches_done"], meta["batches_per_epoch"])
@@ -203,8 +165,6 @@ def check_output_dir(cfg, start_step: int) -> None:
     """Refuse to write into a folder that holds checkpoints past where this run starts: rotation
     by step number would delete this run's own new checkpoints first, and `auto` would later
     resume the other run's."""
-    from common.config import ConfigError
-
     newer = [p.name for p in list_complete(cfg.output_dir) if int(p.name[5:]) > start_step]
     if newer:
         raise ConfigError(
@@ -235,7 +195,7 @@ def save(accelerator, output_dir: str | Path, step: int, metadata: dict, keep: i
          model=None, optimizer=None) -> Path:
     """Write step_<step> atomically (all ranks call this), then rotate old checkpoints.
 
-    Under tensor parallelism the model and optimizer are not accelerate's (common/parallel.py):
+    Under tensor parallelism the model and optimizer are not accelerate's (train_extras/parallel.py):
     pass them, and their shards go to torch.distributed.checkpoint next to save_state's files."""
     root = Path(output_dir) / CHECKPOINT_DIR
     final, partial = root / f"step_{step}", root / f".step_{step}.partial"
@@ -247,20 +207,10 @@ def save(accelerator, output_dir: str | Path, step: int, metadata: dict, keep: i
     accelerator.save_state(str(partial))  # every rank writes its part (shards, RNG)
     if parallel.layout(accelerator) is not None:
         parallel.save_sharded(model, optimizer, partial)
-    if accelerator.is_main_process:
-        _fault_point("after_shard", step)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         files = _fsync_tree(partial)
-        text = json.dumps({"step": step, **metadata, "files": files}, indent=1)
-        with open(partial / METADATA, "w") as f:
-            f.write(text[: len(text) // 2])
-            f.flush()
-            _fault_point("during_metadata", step)
-            f.write(text[len(text) // 2:])
-            f.flush()
-            os.fsync(f.fileno())
-        _fault_point("before_rename", step)
+        write_json(partial / METADATA, {"step": step, **metadata, "files": files})
         replaced = root / f".step_{step}.deleting"
         if final.exists():  # the same step saved before (e.g. a rerun): set it aside only now
             final.rename(replaced)
@@ -271,7 +221,6 @@ def save(accelerator, output_dir: str | Path, step: int, metadata: dict, keep: i
             for old in list_complete(output_dir)[:-keep]:
                 trash = root / f".{old.name}.deleting"
                 old.rename(trash)  # atomic: the checkpoint is either whole or gone from the list
-                _fault_point("during_rotation", step, damage=(trash / METADATA).unlink)  # half deleted
                 shutil.rmtree(trash)
     accelerator.wait_for_everyone()
     return final
@@ -282,8 +231,6 @@ def load(accelerator, path: str | Path, optimizer, scheduler, model=None) -> Non
 
     A failure here (a file damaged in place, with its size intact) leaves the model half loaded:
     it becomes one error line naming the checkpoint and the run stops; it never trains on."""
-    from common.config import ConfigError, one_line
-
     try:
         accelerator.load_state(str(path))
         if parallel.layout(accelerator) is not None:
@@ -296,67 +243,3 @@ def load(accelerator, path: str | Path, optimizer, scheduler, model=None) -> Non
         # scheduler would keep setting the lr of the old ones and the real lr would freeze at its
         # value at save time (measured: resumed ZeRO-3 losses drifted from step N+3 on).
         scheduler.scheduler.optimizer = optimizer.optimizer
-
-
-def export_pretrained(accelerator, model, tokenizer, out_dir: str | Path) -> Path:
-    """Write a Hugging Face folder from the prepared model. Call on every rank.
-
-    `accelerator.get_state_dict` returns full weights for replicated models; for sharded ones it
-    gathers them, which is a collective, hence every rank calls this. Only the main process writes.
-    """
-    out_dir = Path(out_dir)
-    if accelerator.distributed_type == DistributedType.FSDP or parallel.layout(accelerator) is not None:
-        # FSDP2 with SHARDED_STATE_DICT: accelerator.get_state_dict returns an empty dict on rank 0
-        # (FACTS.md); under TP it returns DTensors. torch's own API gathers the full tensors;
-        # cpu_offload keeps them off the GPU and on rank 0 only.
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    else:
-        # DDP/single: the weights as they are. ZeRO-3: the 16-bit consolidated weights gathered
-        # from every rank's partition (needs stage3_gather_16bit_weights_on_model_save).
-        state_dict = accelerator.get_state_dict(model)
-    unwrapped = accelerator.unwrap_model(model)
-    state_dict = _without_tied_copies(unwrapped, state_dict)
-    # The tokenizer's special ids, not the architecture's defaults (a preset Llama says eos=2, which
-    # is the byte tokenizer's <unk>): `generate` on the exported folder then stops where training did.
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        token_id = getattr(tokenizer, name)
-        if token_id is not None:
-            setattr(unwrapped.config, name, token_id)
-            if unwrapped.generation_config is not None:
-                setattr(unwrapped.generation_config, name, token_id)
-    unwrapped.save_pretrained(
-        out_dir,
-        state_dict=state_dict,
-        is_main_process=accelerator.is_main_process,
-        save_function=accelerator.save,
-    )
-    if accelerator.is_main_process:
-        tokenizer.save_pretrained(out_dir)
-    accelerator.wait_for_everyone()
-    return out_dir
-
-
-def _without_tied_copies(model, state_dict: dict) -> dict:
-    """One entry per tied table. FSDP2's full state dict gathers a tied weight once per name
-    (GPT-2's wte and lm_head, as two equal tensors), and save_pretrained, which recognises tied
-    weights by shared storage, would then store the table twice."""
-    from common.model import embeddings_tied
-
-    if not state_dict or not embeddings_tied(model):
-        return state_dict
-    table = model.get_input_embeddings().weight
-    names = [name for name, param in model.named_parameters(remove_duplicate=False) if param is table]
-    keep = next(name for name, param in model.named_parameters() if param is table)  # the first name
-    return {key: value for key, value in state_dict.items() if key == keep or key not in names}
-
-
-@torch.no_grad()
-def probe_logits(accelerator, model, input_ids: torch.Tensor) -> list[list[float]]:
-    """Logits of the trained model in fp32 (no autocast) on a short input. Stored in the run
-    summary so a test can check that the exported folder reproduces the trained model exactly."""
-    unwrapped = accelerator.unwrap_model(model, keep_fp32_wrapper=False)  # drops the autocast wrapper
-    unwrapped.eval()
-    logits = unwrapped(input_ids=input_ids.unsqueeze(0).to(accelerator.device)).logits[0]
-    return logits.float().cpu().tolist()

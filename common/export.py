@@ -1,0 +1,62 @@
+"""The Hugging Face export: a folder (safetensors + config + tokenizer) that any
+`AutoModelForCausalLM.from_pretrained` loads, written from the prepared model under any strategy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from accelerate.utils import DistributedType
+from torch import nn
+
+from common.config import tensor_parallel_size
+
+
+def export_pretrained(accelerator, model, tokenizer, out_dir: str | Path) -> Path:
+    """Write the folder. Call on every rank: gathering sharded weights is a collective; only the
+    main process writes."""
+    out_dir = Path(out_dir)
+    if accelerator.distributed_type == DistributedType.FSDP or tensor_parallel_size(accelerator) > 1:
+        # FSDP2 with SHARDED_STATE_DICT: accelerator.get_state_dict returns an empty dict on rank 0
+        # (docs/toolchain.md#fsdp2-export); under TP it returns DTensors. torch's own API gathers the
+        # full tensors; cpu_offload keeps them off the GPU and on rank 0 only.
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        # DDP/single: the weights as they are. ZeRO-3: the 16-bit consolidated weights gathered
+        # from every rank's partition (needs stage3_gather_16bit_weights_on_model_save).
+        state_dict = accelerator.get_state_dict(model)
+    unwrapped = accelerator.unwrap_model(model)
+    state_dict = _without_tied_copies(unwrapped, state_dict)
+    # The tokenizer's special ids, not the architecture's defaults (a preset Llama says eos=2, which
+    # is the byte tokenizer's <unk>): `generate` on the exported folder then stops where training did.
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        token_id = getattr(tokenizer, name)
+        if token_id is not None:
+            setattr(unwrapped.config, name, token_id)
+            if unwrapped.generation_config is not None:
+                setattr(unwrapped.generation_config, name, token_id)
+    unwrapped.save_pretrained(out_dir, state_dict=state_dict, is_main_process=accelerator.is_main_process,
+                              save_function=accelerator.save)
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(out_dir)
+    accelerator.wait_for_everyone()
+    return out_dir
+
+
+def embeddings_tied(model: nn.Module) -> bool:
+    """Whether the LM head multiplies by the input embedding table itself (one shared parameter)."""
+    output = model.get_output_embeddings()
+    return output is not None and output.weight is model.get_input_embeddings().weight
+
+
+def _without_tied_copies(model: nn.Module, state_dict: dict) -> dict:
+    """One entry per tied table. FSDP2's full state dict gathers a tied weight once per name
+    (GPT-2's wte and lm_head, as two equal tensors), and save_pretrained, which recognises tied
+    weights by shared storage, would then store the table twice."""
+    if not state_dict or not embeddings_tied(model):
+        return state_dict
+    table = model.get_input_embeddings().weight
+    names = [name for name, param in model.named_parameters(remove_duplicate=False) if param is table]
+    keep = next(name for name, param in model.named_parameters() if param is table)  # the first name
+    return {key: value for key, value in state_dict.items() if key == keep or key not in names}

@@ -1,0 +1,263 @@
+"""Test-only probes, loaded into every process a test launches (this folder is first on PYTHONPATH,
+so Python imports this file as `sitecustomize` before the recipe). No recipe imports anything from
+here: the probes patch accelerate, transformers and `os` from the outside, so a recipe copied out of
+the repository is probed the same way.
+
+With ACCELERATE_RECIPES_PROBE_DIR set, each rank appends JSON lines to <dir>/rank<r>.jsonl:
+  {"batch": [...]}           the sample ids of every training micro-batch this rank consumed
+  {"memory": {...}}          memory in use before the model is built and around the second step
+  {"ddp_buckets": [...]}     DDP gradient buckets all-reduced per micro-step of the first optimizer
+                             step (ACCELERATE_RECIPES_PROBE_DDP_BUCKETS=1)
+  {"final": {...}}           at end_training: what the strategy built, parameter sharding, optimizer
+                             groups, the model's class, tied embeddings, tensor-parallel layout and
+                             replica drift, and fp32 logits of the trained model on PROBE_INPUT_IDS
+With ACCELERATE_RECIPES_FAULT=<phase>@<step>, the main process stops dead (os._exit, like a kill -9
+or a node loss) at that phase of that step's checkpoint save:
+  after_shard      its part of save_state is written; the other ranks may still be writing
+  during_metadata  checkpoint.json half written (its temporary file, never renamed)
+  before_rename    everything written and synced, not yet renamed to step_<N>
+  during_rotation  an old checkpoint moved aside and partly deleted
+The CPU harness (scripts/cpu_harness) is chained when ACCELERATE_RECIPES_CPU_HARNESS=1.
+"""
+
+import json
+import os
+import re
+import runpy
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PROBE_DIR = os.environ.get("ACCELERATE_RECIPES_PROBE_DIR")
+FAULT = os.environ.get("ACCELERATE_RECIPES_FAULT")
+FAULT_EXIT_CODE = 86
+FAULT_PHASES = ("after_shard", "during_metadata", "before_rename", "during_rotation")
+PROBE_INPUT_IDS = list(range(10, 18))  # valid ids for every tokenizer the tests use (>= 259 entries)
+
+if os.environ.get("ACCELERATE_RECIPES_CPU_HARNESS") == "1":
+    runpy.run_path(str(HERE.parents[1] / "scripts" / "cpu_harness" / "sitecustomize.py"))
+
+_seen = {"model": None, "optimizer": None, "train_dataset": None, "optimizer_steps": 0}
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def record(key: str, value) -> None:
+    with open(Path(PROBE_DIR) / f"rank{_rank()}.jsonl", "a") as f:
+        f.write(json.dumps({key: value}) + "\n")
+
+
+def _install_probes():
+    import torch
+    from accelerate import Accelerator
+    from accelerate.data_loader import DataLoaderShard
+    from accelerate.optimizer import AcceleratedOptimizer
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForCausalLM
+
+    import facts
+
+    Path(PROBE_DIR).mkdir(parents=True, exist_ok=True)
+
+    prepare = Accelerator.prepare
+
+    def probed_prepare(self, *args, **kwargs):
+        out = prepare(self, *args, **kwargs)
+        results = out if isinstance(out, tuple) else (out,)
+        for arg, result in zip(args, results):
+            if isinstance(arg, torch.nn.Module) and _seen["model"] is None:
+                _seen["model"] = result
+            elif isinstance(arg, torch.optim.Optimizer) and _seen["optimizer"] is None:
+                _seen["optimizer"] = result
+            elif isinstance(arg, DataLoader) and _seen["train_dataset"] is None:
+                _seen["train_dataset"] = arg.dataset  # recipes prepare the training loader first
+            elif isinstance(arg, torch.optim.lr_scheduler.LRScheduler) and _seen["optimizer"] is None:
+                _seen["optimizer"] = arg.optimizer  # train.py's TP route prepares the schedule only
+        if os.environ.get("ACCELERATE_RECIPES_PROBE_DDP_BUCKETS") == "1" and hasattr(_seen["model"], "register_comm_hook"):
+            _count_ddp_buckets(_seen["model"])
+        return out
+
+    Accelerator.prepare = probed_prepare
+
+    unwrap = Accelerator.unwrap_model
+
+    def probed_unwrap(self, model, *args, **kwargs):  # train.py's TP route never passes its model to prepare
+        if _seen["model"] is None and isinstance(model, torch.nn.Module):
+            _seen["model"] = model
+        return unwrap(self, model, *args, **kwargs)
+
+    Accelerator.unwrap_model = probed_unwrap
+
+    iterate = DataLoaderShard.__iter__
+
+    def probed_iter(self):
+        for batch in iterate(self):
+            if self.dataset is _seen["train_dataset"] and isinstance(batch, dict) and "index" in batch:
+                record("batch", batch["index"].tolist())
+            yield batch
+
+    DataLoaderShard.__iter__ = probed_iter
+
+    # memory: before the (real, not meta) model is built, then around the second optimizer step
+    for name in ("from_config", "from_pretrained"):
+        build = getattr(AutoModelForCausalLM, name).__func__
+
+        def probed_build(cls, *args, _build=build, **kwargs):
+            if "before_model" not in _seen and torch.get_default_device().type != "meta":
+                _seen["before_model"] = True
+                record("memory", {"before_model": facts.memory_in_use(torch.device("cpu"))})
+            return _build(cls, *args, **kwargs)
+
+        setattr(AutoModelForCausalLM, name, classmethod(probed_build))
+
+    for cls in {AcceleratedOptimizer, *AcceleratedOptimizer.__subclasses__()}:
+        _probe_steps(cls, facts)
+
+    end = Accelerator.end_training
+
+    def probed_end(self):
+        record("final", _final_facts(self, facts))
+        return end(self)
+
+    Accelerator.end_training = probed_end
+
+
+def _probe_steps(cls, facts):
+    import torch
+
+    step, zero_grad = cls.step, cls.zero_grad
+
+    def probed_step(self, *args, **kwargs):
+        _seen["optimizer_steps"] += 1
+        if _seen["optimizer_steps"] == 2:  # activations freed, gradients held (DeepSpeed: already stepped)
+            record("memory", {"after_backward": facts.memory_in_use(torch.device("cpu"))})
+        return step(self, *args, **kwargs)
+
+    def probed_zero_grad(self, *args, **kwargs):
+        out = zero_grad(self, *args, **kwargs)
+        if _seen["optimizer_steps"] == 2 and "after_step" not in _seen:  # at rest between steps
+            _seen["after_step"] = True
+            record("memory", {"after_step": facts.memory_in_use(torch.device("cpu"))})
+        return out
+
+    cls.step, cls.zero_grad = probed_step, probed_zero_grad
+
+
+def _count_ddp_buckets(model):
+    """Which gradient buckets each micro-step of the first optimizer step all-reduced (DDP's default
+    all-reduce, plus a note of the bucket)."""
+    from accelerate import Accelerator
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    reduced = []
+
+    def counting_allreduce(state, bucket):
+        reduced.append([bucket.index(), bucket.buffer().numel()])
+        return allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, counting_allreduce)
+    backward = Accelerator.backward
+
+    def probed_backward(self, loss, **kwargs):
+        out = backward(self, loss, **kwargs)
+        if _seen["optimizer_steps"] == 0:
+            record("ddp_buckets", list(reduced))
+        reduced.clear()
+        return out
+
+    Accelerator.backward = probed_backward
+
+
+def _final_facts(accelerator, facts) -> dict:
+    """Called on every rank (some of these are collectives under sharding)."""
+    import torch
+
+    model, optimizer = _seen["model"], _seen["optimizer"]
+    out = {}
+    if model is None:  # the pipeline recipe trains stages it never gives to accelerate
+        return out
+    unwrapped = accelerator.unwrap_model(model, keep_fp32_wrapper=False)  # without the autocast wrapper
+    out["strategy"] = facts.strategy_facts(model, optimizer)
+    out["parameters"] = facts.parameter_facts(model, accelerator.process_index)
+    out["model_class"] = facts.class_name(unwrapped)
+    output = unwrapped.get_output_embeddings()
+    out["tied_embeddings"] = output is not None and output.weight is unwrapped.get_input_embeddings().weight
+    if optimizer is not None:
+        out["optimizer_groups"] = facts.optimizer_facts(optimizer)
+    if any("tp" in (getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ()) for p in model.parameters()):
+        out["tensor_parallel_parameters"] = facts.parameter_layout(model)
+        out["tensor_parallel_replica_max_difference"] = facts.replica_max_difference(model, accelerator)
+    was_training = unwrapped.training
+    unwrapped.eval()
+    with torch.no_grad():  # the trained model's own logits, fp32, to compare with the export
+        ids = torch.tensor([PROBE_INPUT_IDS], device=accelerator.device)
+        out["probe_logits"] = unwrapped(input_ids=ids).logits[0].float().cpu().tolist()
+    unwrapped.train(was_training)
+    return out
+
+
+# ---- fault injection ----
+def _stop_dead(phase: str, step: int) -> None:
+    sys.stderr.write(f"fault injected: process {os.getpid()} stops dead at {phase} of step {step}\n")
+    sys.stderr.flush()
+    os._exit(FAULT_EXIT_CODE)
+
+
+def _install_faults():
+    phase, _, at = FAULT.partition("@")
+    if phase not in FAULT_PHASES:
+        raise RuntimeError(f"ACCELERATE_RECIPES_FAULT={FAULT!r}: unknown phase; choose one of {FAULT_PHASES}")
+
+    def wanted(this_phase: str, step: int) -> bool:
+        return this_phase == phase and (not at or int(at) == step) and _rank() == 0
+
+    def step_of(path, pattern) -> int | None:
+        match = re.fullmatch(pattern, Path(path).name)
+        return int(match.group(1)) if match else None
+
+    saving = {"step": None}
+    from accelerate import Accelerator
+
+    save_state = Accelerator.save_state
+
+    def faulty_save_state(self, output_dir=None, *args, **kwargs):
+        out = save_state(self, output_dir, *args, **kwargs)
+        step = step_of(output_dir, r"\.step_(\d+)\.partial")
+        saving["step"] = step
+        if step is not None and wanted("after_shard", step):
+            _stop_dead(phase, step)
+        return out
+
+    Accelerator.save_state = faulty_save_state
+
+    replace, rename = os.replace, os.rename
+
+    def faulty_replace(src, dst, *args, **kwargs):
+        step = step_of(Path(dst).parent, r"\.step_(\d+)\.partial")
+        if Path(dst).name == "checkpoint.json" and step is not None and wanted("during_metadata", step):
+            size = os.path.getsize(src)
+            os.truncate(src, size // 2)  # the write was cut half-way: the temporary file, never renamed
+            _stop_dead(phase, step)
+        return replace(src, dst, *args, **kwargs)
+
+    def faulty_rename(src, dst, *args, **kwargs):
+        step = step_of(src, r"\.step_(\d+)\.partial")
+        if step is not None and wanted("before_rename", step):
+            _stop_dead(phase, step)
+        rotated = step_of(src, r"step_(\d+)")
+        out = rename(src, dst, *args, **kwargs)
+        if (rotated is not None and Path(dst).name.endswith(".deleting") and saving["step"] is not None
+                and rotated != saving["step"] and wanted("during_rotation", saving["step"])):
+            (Path(dst) / "checkpoint.json").unlink()  # half deleted
+            _stop_dead(phase, saving["step"])
+        return out
+
+    os.replace, os.rename = faulty_replace, faulty_rename
+
+
+if PROBE_DIR:
+    _install_probes()
+if FAULT:
+    _install_faults()

@@ -1,0 +1,1 @@
+"""Tools beside the recipes (not imported by them): the memory planner, `python -m tools.plan`."""

@@ -1,0 +1,160 @@
+"""What train.py measures beyond the loss: throughput and MFU, memory, and the bigram bar the
+held-out loss should clear.
+
+Per log interval the recipe records tokens/s (global and per device), step time, MFU, memory per
+rank and an ETA; per step loss, lr, pre-clip gradient norm and the fp16 loss scale. MFU = the model
+FLOP/s a device achieves (flops_per_token x its tokens/s) over its peak: the datasheet's dense
+tensor-core figure for known GPUs, and on a CPU (which has no such table) a square matmul in the
+run's dtype measured once at start with the process's own threads.
+
+(The held-out loss itself is common/model.py's evaluate, shared by every recipe.)
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import numpy as np
+import torch
+from accelerate.utils import gather_object
+
+
+def as_tensor(grad_norm, device) -> torch.Tensor:
+    """A clip_grad_norm_ result as a plain tensor on `device`, without a host sync: FSDP2 returns a
+    DTensor, DeepSpeed a float (already on the host), a skipped step None (NaN)."""
+    if grad_norm is None:
+        return torch.full((), float("nan"), device=device)
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    if isinstance(grad_norm, torch.Tensor):
+        return grad_norm.detach().float().to(device)
+    return torch.tensor(float(grad_norm), device=device)
+
+
+def compiled_regions(model) -> dict:
+    """{class name: count} of the modules torch.compile wraps (--compile: accelerate's regional
+    compilation wraps each repeated block, in place under FSDP2 and DeepSpeed)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    names = [type(m._orig_mod).__name__ if isinstance(m, OptimizedModule) else type(m).__name__
+             for m in model.modules()
+             if isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None]
+    return {name: names.count(name) for name in sorted(set(names))}
+
+
+def count_parameters(model) -> int:
+    """All parameter elements, also when ZeRO-3 has partitioned them away (ds_numel)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+
+
+# Dense peak tensor-core throughput in TFLOP/s from the vendors' datasheets (SXM parts; no
+# sparsity). "fp32" is plain fp32; with TF32 matmuls enabled (common/model.py) fp32 matmuls run
+# at the "tf32" rate. MFU = achieved model FLOPs / this peak.
+PEAK_TFLOPS = {
+    "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "L40S": {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6},
+    "L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
+    "A10G": {"bf16": 70.0, "fp16": 70.0, "tf32": 35.0, "fp32": 31.2},
+}
+
+
+def peak_tflops(device_name: str, precision: str) -> float | None:
+    """Datasheet peak for a GPU name as torch reports it (e.g. 'NVIDIA H200'), or None if unknown."""
+    kind = {"bf16": "bf16", "fp16": "fp16"}.get(precision, "tf32")
+    for gpu in sorted(PEAK_TFLOPS, key=len, reverse=True):  # "L40S" before "L4"
+        if gpu in device_name.upper():
+            return PEAK_TFLOPS[gpu][kind]
+    return None
+
+
+def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, size: int = 1024, seconds: float = 0.1,
+                          bursts: int = 5) -> float:
+    """Best rate of a size x size matmul in `dtype` (TFLOP/s), best of `bursts` timed bursts of
+    about `seconds` each after a warm-up of twice that: the practical ceiling of this device with
+    this process's threads. (Noise only slows a burst down, so the best one is the estimate; a
+    single short burst at start-up was measured up to 20% low.)"""
+    rng = torch.Generator(device=device).manual_seed(0)  # never the global RNG: it seeds the model's init
+    a = torch.randn(size, size, device=device, dtype=dtype, generator=rng)
+    b = torch.randn(size, size, device=device, dtype=dtype, generator=rng)
+    flops = 2 * size**3
+
+    def burst(reps: int) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(reps):
+            torch.mm(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    warm_until = time.perf_counter() + 2 * seconds  # warm-up: thread pool, kernel choice, clock
+    while time.perf_counter() < warm_until:
+        burst(1)
+    reps = max(1, int(seconds / max(burst(1), 1e-6)))
+    return max(flops * reps / burst(reps) for _ in range(bursts)) / 1e12
+
+
+def peak_flops(accelerator) -> dict:
+    """Per-device peak for MFU: {'tflops': float | None, 'source': str}."""
+    precision = accelerator.mixed_precision
+    if accelerator.device.type == "cuda":
+        name = torch.cuda.get_device_name(accelerator.device)
+        return {"tflops": peak_tflops(name, precision), "source": f"datasheet ({name}, {precision})"}
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    threads = torch.get_num_threads()
+    tflops = measure_matmul_tflops(accelerator.device, dtype)
+    return {"tflops": tflops, "source": f"measured {str(dtype)[6:]} 1024x1024 matmul, {threads} threads"}
+
+
+def interval_stats(*, steps: int, seconds: float, tokens_per_step: int, world_size: int, flops_per_token: float,
+                   peak_tflops_per_device: float | None, steps_left: int, step_times: list[float]) -> dict:
+    """Throughput of one log interval; `step_times` holds the mean step time of every interval so
+    far (this one included) and gives the ETA by its median (robust to an eval or a save)."""
+    tokens_per_s = steps * tokens_per_step / seconds
+    per_device = tokens_per_s / world_size
+    mfu = per_device * flops_per_token / (peak_tflops_per_device * 1e12) if peak_tflops_per_device else None
+    median_step = sorted(step_times)[len(step_times) // 2]
+    return {
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_device": per_device,
+        "step_time_s": seconds / steps,
+        "model_tflops_per_device": per_device * flops_per_token / 1e12,
+        "mfu": mfu,
+        "eta_s": steps_left * median_step,
+    }
+
+
+def peak_memory(accelerator) -> list[dict]:
+    """Every rank's peak memory so far (CUDA allocated/reserved, the process's peak RSS) and its
+    CUDA allocation now. A collective: call on all ranks."""
+    mine = {"rank": accelerator.process_index,
+            "cpu_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
+    if accelerator.device.type == "cuda":
+        mine["cuda_allocated_bytes"] = torch.cuda.memory_allocated(accelerator.device)
+        mine["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(accelerator.device)
+        mine["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved(accelerator.device)
+    return gather_object([mine]) if accelerator.num_processes > 1 else [mine]
+
+
+def bigram_entropy(stream: np.ndarray) -> float:
+    """Conditional entropy H(x_t | x_{t-1}) of a token stream, in nats, from its own counts.
+
+    This is the loss of the best possible bigram model *fitted on this very data* (a lower bound
+    for any bigram model evaluated on it): a held-out loss below it shows the model uses more
+    context than the previous token.
+    """
+    stream = np.asarray(stream, dtype=np.int64)
+    vocab = int(stream.max()) + 1
+    pairs = stream[:-1] * vocab + stream[1:]
+    _, pair_counts = np.unique(pairs, return_counts=True)
+    _, prev_counts = np.unique(stream[:-1], return_counts=True)
+
+    def entropy(counts):
+        p = counts / counts.sum()
+        return float(-(p * np.log(p)).sum())
+
+    return entropy(pair_counts) - entropy(prev_counts)

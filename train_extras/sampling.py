@@ -1,0 +1,37 @@
+"""A sample of generated text from the model being trained: read it to judge a run, not only its loss."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+@torch.no_grad()
+def sample_text(accelerator, model: nn.Module, tokenizer, prompt: str, max_new_tokens: int, seed: int,
+                temperature: float = 0.8, top_k: int = 200) -> str:
+    """A continuation of `prompt` by the model being trained, through transformers' `generate`
+    (temperature and top-k as nanoGPT's sample.py), to read what the model has learned.
+
+    Call on every rank: a sharded model (FSDP2, ZeRO-3, TP) needs all ranks in each forward, and
+    with the same seed every rank draws the same tokens. The global RNG is forked, so sampling in
+    the middle of a run leaves the training's random stream (and so exact resume) untouched."""
+    from accelerate.utils import DistributedType
+
+    unwrapped = accelerator.unwrap_model(model)
+    was_training = unwrapped.training
+    unwrapped.eval()
+    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids.to(accelerator.device)
+    devices = [accelerator.device] if accelerator.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), accelerator.autocast():
+        torch.manual_seed(seed)
+        out = unwrapped.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=True,
+            temperature=temperature, top_k=top_k, use_cache=True,
+            remove_invalid_values=True,  # a diverged model (NaN/inf logits) still samples instead of crashing
+            eos_token_id=None,  # always max_new_tokens: go on past a document's end (EOS is not printed)
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+            # ZeRO-3: a rank that stopped early must keep joining the others' parameter gathers
+            synced_gpus=accelerator.distributed_type == DistributedType.DEEPSPEED and accelerator.num_processes > 1,
+        )
+    unwrapped.train(was_training)
+    return tokenizer.decode(out[0], skip_special_tokens=True)
