@@ -4,22 +4,24 @@
     python benchmarks/memory.py --precision no       # fp32
 
 Each rung is one `accelerate launch` of recipes/train.py with its config from accelerate_configs/
-(2 processes over gloo; FSDP2 and DeepSpeed through the CPU harness). train.py records, per rank,
-the heap in use (common/metrics.memory_in_use) before the model exists, after backward and after
-the optimizer step of its second step; the peak is the process's peak RSS minus its RSS before the
-model. The planner (tools/plan/) predicts the same quantities for the same model, world size and
-precision. On CPU the device and the host are one memory, so the offload rungs are compared on
-device + host together, and "peak" includes the host. Writes benchmarks/results/memory-<date>/
-(table.md, results.json, memory.png).
+(2 processes over gloo; FSDP2 and DeepSpeed through the CPU harness), with the tests' probes
+loaded (tests/probes/sitecustomize.py): they record, per rank, the heap in use (glibc's mallinfo2)
+before the model exists, after backward and after the optimizer step of its second step; the peak
+is the process's peak RSS (run_summary.json) minus its RSS before the model. The planner
+(tools/plan/) predicts the same quantities for the same model, world size and precision. On CPU
+the device and the host are one memory, so the offload rungs are compared on device + host
+together, and "peak" includes the host. Writes benchmarks/results/memory-<date>/ (table.md,
+results.json, memory.png).
 """
 
 import argparse
+import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench_utils import ACCELERATE, HARNESS, ROOT, run, summary, write_results
+from bench_utils import ACCELERATE, ROOT, run, summary, write_results
 
 sys.path.insert(0, str(ROOT))
 from tools import plan  # noqa: E402
@@ -42,7 +44,9 @@ def main():
     rows, results = [], []
     for rung in plan.LADDER:
         out = work / rung.config.removesuffix(".yaml")
-        env = {"ACCELERATE_USE_CPU": "true"} if rung.framework == "ddp" else HARNESS
+        env = {"ACCELERATE_USE_CPU": "true"} if rung.framework == "ddp" else {"ACCELERATE_RECIPES_CPU_HARNESS": "1"}
+        probes = Path(f"{out}.probe")  # the probes chain the CPU harness
+        env.update(PYTHONPATH=str(ROOT / "tests" / "probes"), ACCELERATE_RECIPES_PROBE_DIR=str(probes))
         options = ["--preset", args.preset, "--seq_len", str(args.seq_len), "--micro_batch_size",
                    str(args.micro_batch_size), "--max_steps", "3", "--warmup_steps", "1", "--eval_every", "0",
                    "--log_every", "1", "--save_model", "false", "--output_dir", str(out)]
@@ -55,24 +59,28 @@ def main():
         want = {"rest": states["at_rest"]["device"]["total"] + states["at_rest"]["host"]["total"],
                 "step": states["at_step"]["device"]["total"] + states["at_step"]["host"]["total"],
                 "peak": planned[rung.config]["peak"] + planned[rung.config]["host"]}
-        if "host_bytes" not in s["memory_points_per_rank"][0]["before_model"]:
-            raise SystemExit("error: no host memory figure (common/metrics.memory_in_use needs glibc >= 2.33)")
+        recorded = [[json.loads(line) for line in (probes / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+        memory_points = [{k: v for row in rows_ if "memory" in row for k, v in row["memory"].items()}
+                         for rows_ in recorded]
+        if "host_bytes" not in memory_points[0]["before_model"]:
+            raise SystemExit("error: no host memory figure (tests/probes/facts.memory_in_use needs glibc >= 2.33)")
         ranks = []
-        for points, peak in zip(s["memory_points_per_rank"], s["peak_memory_per_rank"]):
+        for rank, (points, peak) in enumerate(zip(memory_points, s["peak_memory_per_rank"])):
             base = points["before_model"]
-            ranks.append({"rank": points["rank"], "rest": points["after_step"]["host_bytes"] - base["host_bytes"],
+            ranks.append({"rank": rank, "rest": points["after_step"]["host_bytes"] - base["host_bytes"],
                           "step": points["after_backward"]["host_bytes"] - base["host_bytes"],
                           "peak": peak["cpu_max_rss_bytes"] - base["rss_bytes"]})
         worst = {k: max(ranks, key=lambda r: abs(r[k] / want[k] - 1))[k] for k in want}
         deepspeed = rung.framework == "deepspeed"  # steps inside backward: no point with gradients held
         results.append({"rung": rung.label, "config": rung.config, "n_params": n_params, "planned": want,
-                        "measured_per_rank": ranks, "strategy": s["strategy"],
+                        "measured_per_rank": ranks, "strategy": recorded[0][-1]["final"]["strategy"],
                         "losses": [r["loss"] for r in s["losses"]]})
         rows.append([rung.label, f"`{rung.config}`",
                      f"{worst['rest'] / 1e6:,.0f}", f"{want['rest'] / 1e6:,.0f}", f"{worst['rest'] / want['rest']:.3f}",
                      "-" if deepspeed else f"{worst['step'] / 1e6:,.0f}", f"{want['step'] / 1e6:,.0f}",
                      "-" if deepspeed else f"{worst['step'] / want['step']:.3f}",
-                     f"{worst['peak'] / 1e6:,.0f}", f"{want['peak'] / 1e6:,.0f}", f"{worst['peak'] / want['peak']:.3f}"])
+                     f"{worst['peak'] / 1e6:,.0f}", f"{want['peak'] / 1e6:,.0f}",
+                     f"{worst['peak'] / want['peak']:.3f}"])
         print(" | ".join(rows[-1]), flush=True)
     notes = [
         f"Model: preset {args.preset}, {results[0]['n_params'] / 1e6:.1f}M parameters; 2 processes (1 thread each), "

@@ -31,7 +31,8 @@ def main():
     parser.add_argument("--micro_batch_size", type=int, default=16)
     parser.add_argument("--max_steps", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / f"overhead-{time.strftime('%Y-%m-%d')}")
+    parser.add_argument("--out", type=Path,
+                        default=ROOT / "benchmarks" / "results" / f"overhead-{time.strftime('%Y-%m-%d')}")
     args = parser.parse_args()
 
     common = ["--preset", args.preset, "--seq_len", str(args.seq_len), "--micro_batch_size", str(args.micro_batch_size),
@@ -94,7 +95,8 @@ def plot(pairs, path: Path):
     right.bar(x, ratios)
     right.axhline(1.0, color="black", lw=0.8)
     right.axhline(0.97, color="red", lw=0.8, ls="--", label="0.97")
-    right.set(xlabel="pair", ylabel="train.py / plain", ylim=(min(0.9, min(ratios) - 0.02), max(1.05, max(ratios) + 0.02)),
+    right.set(xlabel="pair", ylabel="train.py / plain",
+              ylim=(min(0.9, min(ratios) - 0.02), max(1.05, max(ratios) + 0.02)),
               title="ratio")
     right.legend()
     fig.tight_layout()

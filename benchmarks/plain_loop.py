@@ -18,12 +18,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, like the recipes
 
-from common import config, data, metrics  # noqa: E402
+from common import config, data  # noqa: E402
 from common import model as modeling  # noqa: E402
+from common.files import write_json  # noqa: E402
+from train_extras.options import TrainConfig  # noqa: E402
 
 
 def main(argv=None):
-    cfg = config.parse_config(argv)
+    cfg = config.parse(TrainConfig, argv, recipe="plain_loop.py")  # train.py's options: the same command line
     torch.manual_seed(cfg.seed)
     tokenizer = data.build_tokenizer(cfg)
     train_set, eval_set = data.build_datasets(cfg, tokenizer)
@@ -51,7 +53,7 @@ def main(argv=None):
             losses += torch.stack(pending).tolist()
             rates.append(interval_steps * tokens_per_step / (time.perf_counter() - interval_start))
             pending, interval_start, interval_steps = [], time.perf_counter(), 0
-    metrics.write_summary(Path(cfg.output_dir) / "run_summary.json", {
+    write_json(Path(cfg.output_dir) / "run_summary.json", {
         "recipe": "benchmarks/plain_loop.py",
         "threads": torch.get_num_threads(),
         "losses": [{"step": i + 1, "loss": v} for i, v in enumerate(losses)],

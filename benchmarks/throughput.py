@@ -53,7 +53,8 @@ def main():
     rows, results = [], []
     for i, (label, preset, precision, config, launch_args, env, extra) in enumerate(grid):
         out = work / f"run{i}"
-        options = ["--preset", preset, "--seq_len", "256", "--micro_batch_size", "16", "--max_steps", str(args.max_steps),
+        options = ["--preset", preset, "--seq_len", "256", "--micro_batch_size", "16",
+                   "--max_steps", str(args.max_steps),
                    "--warmup_steps", "3", "--log_every", "5", "--eval_every", "0", "--save_model", "false", *extra,
                    "--output_dir", str(out)]
         run([ACCELERATE, "launch", "--config_file", f"accelerate_configs/{config}", *launch_args,
@@ -61,7 +62,8 @@ def main():
         s = summary(out)
         tokens_per_s = steady_median(s)
         mfu = steady_median(s, "mfu")
-        rss = s["peak_memory_per_rank"][0].get("cuda_max_allocated_bytes", s["peak_memory_per_rank"][0]["cpu_max_rss_bytes"])
+        peak = s["peak_memory_per_rank"][0]
+        rss = peak.get("cuda_max_allocated_bytes", peak["cpu_max_rss_bytes"])
         world = s["setup"]["world_size"]
         row = {"label": label, "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / world,
                "mfu": mfu, "model_tflops_per_device": steady_median(s, "model_tflops_per_device"),
@@ -114,7 +116,8 @@ def ceiling_notes(ceilings: dict) -> list[str]:
         return []
     text = ", ".join(f"{'fp32' if p == 'no' else p} {t} thread{'s' if t > 1 else ''} {v * 1000:.0f} GFLOP/s"
                      for (p, t), v in ceilings.items())
-    return ["", f"Best 1024x1024 matmul ceilings of this machine (best of 50 bursts of 0.2 s, before the runs): {text}. "
+    return ["", "Best 1024x1024 matmul ceilings of this machine (best of 50 bursts of 0.2 s, before the runs): "
+                f"{text}. "
                 "'vs best ceiling' = model GFLOP/s per device over that ceiling for the run's precision and threads; "
                 "'MFU' uses the run's own start-up measurement."]
 

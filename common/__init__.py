@@ -1,2 +1,2 @@
 """The core a recipe needs, copied with it into a project: options, model, data, export, the
-start-up guard. It imports nothing above itself (tests/test_copy.py checks it)."""
+start-up guard. It imports nothing above itself (tests/test_layout.py checks it)."""

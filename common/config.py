@@ -3,10 +3,10 @@ technique, composed into one dataclass and parsed by transformers' HfArgumentPar
 
     accelerate launch recipes/bf16_baseline.py --config my_run.yaml --lr 1e-3
 
-Precedence: dataclass default < YAML file (``--config``, same keys as the options) < command line.
-An option the recipe does not have is an error naming the recipe: a typo, or a feature of another
-recipe, must never silently train with a default. The strategy (DDP, FSDP, DeepSpeed, mixed
-precision, number of processes) is not an option: it comes from the accelerate launch config.
+Precedence: default < YAML file (``--config``, same keys) < command line. An option the recipe does
+not have is an error naming the recipe: a typo, or another recipe's feature, must never silently
+train with a default. The strategy (DDP, FSDP, DeepSpeed, precision, processes) is not an option:
+it comes from the accelerate launch config.
 """
 
 from __future__ import annotations
@@ -29,41 +29,37 @@ PRESET_NAMES = ("debug", "mini", "tiny", "small", "1b", "8b")
 
 class RecipeStop(Exception):
     """An expected stop: one line on stderr (`prefix: message`) and the exit code, no traceback."""
-
     exit_code, prefix = 1, "error"
 
 
 class ConfigError(RecipeStop, ValueError):
     """Bad input (option, file, data, checkpoint), found before any training. Exit code 2."""
-
     exit_code = 2
 
 
 class TrainingError(RecipeStop, RuntimeError):
     """Training cannot go on (e.g. the loss stays NaN). Exit code 3."""
-
     exit_code = 3
+
+
+def opt(default, help: str):
+    """An option: its default and its --help text."""
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class RunOptions:
-    config: str | None = field(default=None, metadata={"help": "YAML file of options (same keys); the CLI wins."})
-    output_dir: str = field(default="outputs/run", metadata={"help": "Folder for run_summary.json and the model."})
-    seed: int = field(default=1234, metadata={"help": "Seed for init, data order and dropout."})
+    config: str | None = opt(None, "YAML file of options (same keys); the CLI wins.")
+    output_dir: str = opt("outputs/run", "Folder for run_summary.json and the model.")
+    seed: int = opt(1234, "Seed for init, data order and dropout.")
 
 
 @dataclass
 class ModelOptions:
-    preset: str = field(
-        default="mini",
-        metadata={"help": f"Random-init Llama preset: {', '.join(PRESET_NAMES)}. Ignored with --model_name_or_path."})
-    model_name_or_path: str | None = field(
-        default=None, metadata={"help": "Local folder or Hub id of a causal LM to start from (its tokenizer too)."})
-    tokenizer_name_or_path: str | None = field(
-        default=None,
-        metadata={"help": "Tokenizer (AutoTokenizer). Default: the model's, else a byte-level one (no download)."})
-    gradient_checkpointing: bool = field(
-        default=False, metadata={"help": "Recompute activations in backward: less memory, ~30%% more compute."})
+    preset: str = opt("mini", f"Random-init Llama preset: {', '.join(PRESET_NAMES)}. Ignored with a model path.")
+    model_name_or_path: str | None = opt(None, "Local folder or Hub id of a causal LM to start from (+ its tokenizer).")
+    tokenizer_name_or_path: str | None = opt(None, "Tokenizer (AutoTokenizer). Default: the model's, else bytes.")
+    gradient_checkpointing: bool = opt(False, "Recompute activations in backward: less memory, ~30%% more compute.")
 
     def check(self):
         if self.model_name_or_path is None and self.preset not in PRESET_NAMES:
@@ -72,24 +68,18 @@ class ModelOptions:
 
 @dataclass
 class DataOptions:
-    dataset_name: str | None = field(
-        default=None, metadata={"help": "Hub dataset id (or local dataset folder) for datasets.load_dataset."})
-    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
-    dataset_split: str = field(default="train", metadata={"help": "Split to train on; a held-out part is cut from it."})
-    data_files: list[str] | None = field(
-        default=None, metadata={"help": "Local .txt / .json / .jsonl files (one format per run). Default: none given "
-                                        "= tiny Shakespeare, shipped in common/corpus/."})
-    text_column: str = field(default="text", metadata={"help": "Column holding the text in JSON/Hub data."})
-    eval_fraction: float | None = field(
-        default=None,
-        metadata={"help": "Fraction held out for eval. Default: tiny Shakespeare's last 10%% (nanoGPT's split); "
-                          "2%% of the documents, chosen at random with a fixed seed, for every other source."})
-    seq_len: int = field(default=256, metadata={"help": "Tokens per training sequence (context length)."})
-    packing: bool = field(
-        default=True,
-        metadata={"help": "Pack documents into full blocks; false = one document per row, right-padded, "
-                          "labels -100 on padding (the fine-tuning case; longer documents are truncated)."})
-    num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes per rank."})
+    dataset_name: str | None = opt(None, "Hub dataset id (or local dataset folder) for datasets.load_dataset.")
+    dataset_config: str | None = opt(None, "Dataset configuration name.")
+    dataset_split: str = opt("train", "Split to train on; a held-out part is cut from it.")
+    data_files: list[str] | None = opt(None, "Local .txt / .json / .jsonl files (one format per run). Default: none "
+                                             "given = tiny Shakespeare, shipped in common/corpus/.")
+    text_column: str = opt("text", "Column holding the text in JSON/Hub data.")
+    eval_fraction: float | None = opt(None, "Fraction held out for eval. Default: tiny Shakespeare's last 10%% "
+                                           "(nanoGPT's split); 2%% of the documents (fixed seed) for other sources.")
+    seq_len: int = opt(256, "Tokens per training sequence (context length).")
+    packing: bool = opt(True, "Pack documents into full blocks; false = one document per row, right-padded, "
+                              "labels -100 on padding (the fine-tuning case; longer documents are truncated).")
+    num_workers: int = opt(0, "DataLoader worker processes per rank.")
 
     def check(self):
         if self.data_files and self.dataset_name:
@@ -106,21 +96,20 @@ class DataOptions:
 
 @dataclass
 class OptimizerOptions:
-    micro_batch_size: int = field(default=16, metadata={"help": "Sequences per device per forward pass."})
+    micro_batch_size: int = opt(16, "Sequences per device per forward pass.")
     # The defaults are the quickstart's job: the lowest held-out loss on tiny Shakespeare that a
     # 2-core CPU reaches in about 3 minutes of training (measured; README "Quickstart").
-    max_steps: int = field(default=720, metadata={"help": "Optimizer steps to train."})
-    lr: float = field(default=4e-3, metadata={"help": "Peak learning rate."})
-    lr_schedule: Literal["cosine", "linear", "constant", "wsd"] = field(
-        default="cosine", metadata={"help": "Learning-rate schedule after warmup (transformers' implementations)."})
-    warmup_steps: int = field(default=15, metadata={"help": "Linear warmup, in optimizer steps."})
-    min_lr_ratio: float = field(default=0.1, metadata={"help": "Final LR as a fraction of --lr (cosine, wsd)."})
-    decay_fraction: float = field(default=0.2, metadata={"help": "wsd only: fraction of steps spent decaying."})
-    weight_decay: float = field(default=0.1, metadata={"help": "AdamW decoupled weight decay (matrices only)."})
-    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
-    adam_beta2: float = field(default=0.95, metadata={"help": "AdamW beta2."})
-    adam_eps: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the global grad norm to this; 0 disables."})
+    max_steps: int = opt(720, "Optimizer steps to train.")
+    lr: float = opt(4e-3, "Peak learning rate.")
+    lr_schedule: Literal["cosine", "linear", "constant", "wsd"] = opt("cosine", "LR schedule after the warmup.")
+    warmup_steps: int = opt(15, "Linear warmup, in optimizer steps.")
+    min_lr_ratio: float = opt(0.1, "Final LR as a fraction of --lr (cosine, wsd).")
+    decay_fraction: float = opt(0.2, "wsd only: fraction of steps spent decaying.")
+    weight_decay: float = opt(0.1, "AdamW decoupled weight decay (matrices only).")
+    adam_beta1: float = opt(0.9, "AdamW beta1.")
+    adam_beta2: float = opt(0.95, "AdamW beta2.")
+    adam_eps: float = opt(1e-8, "AdamW epsilon.")
+    max_grad_norm: float = opt(1.0, "Clip the global grad norm to this; 0 disables.")
 
     def check(self):
         _positive(self, "micro_batch_size", "max_steps", "lr")
@@ -130,10 +119,10 @@ class OptimizerOptions:
 
 @dataclass
 class EvalOptions:
-    eval_every: int = field(default=240, metadata={"help": "Evaluate every N optimizer steps (and at 0 and end); 0 = never."})
-    eval_batches: int = field(default=0, metadata={"help": "Max eval batches per evaluation; 0 = the whole held-out split."})
-    log_every: int = field(default=10, metadata={"help": "Refresh the progress bar / log every N steps."})
-    save_model: bool = field(default=True, metadata={"help": "Write a Hugging Face folder (safetensors) at the end."})
+    eval_every: int = opt(240, "Evaluate every N optimizer steps (and at 0 and end); 0 = never.")
+    eval_batches: int = opt(0, "Max eval batches per evaluation; 0 = the whole held-out split.")
+    log_every: int = opt(10, "Refresh the progress bar / log every N steps.")
+    save_model: bool = opt(True, "Write a Hugging Face folder (safetensors) at the end.")
 
 
 @dataclass
@@ -149,7 +138,7 @@ class RecipeConfig(EvalOptions, OptimizerOptions, DataOptions, ModelOptions, Run
 # Groups of the recipes that implement them (a recipe lists only the groups it uses).
 @dataclass
 class AccumulationOptions:
-    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
+    gradient_accumulation_steps: int = opt(1, "Micro-batches per optimizer step.")
 
     def check(self):
         _positive(self, "gradient_accumulation_steps")
@@ -157,8 +146,7 @@ class AccumulationOptions:
 
 @dataclass
 class Fp16Options:
-    fp16_init_scale: float = field(
-        default=65536.0, metadata={"help": "fp16 only: the GradScaler's initial loss scale (halved on each overflow)."})
+    fp16_init_scale: float = opt(65536.0, "fp16 only: the GradScaler's initial loss scale (halved on each overflow).")
 
     def check(self):
         _positive(self, "fp16_init_scale")
@@ -245,8 +233,7 @@ def one_line(err: BaseException, limit: int = 300) -> str:
 
 
 def _say(line: str) -> None:
-    """Write one line to stderr in ONE write: every rank shares the launcher's stderr, and print()
-    writes the newline separately, so two ranks' lines could run together (seen in a test log)."""
+    """One line in ONE write: ranks share the launcher's stderr, and print() writes the newline apart."""
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
 
@@ -285,17 +272,13 @@ def setup_facts(cfg, accelerator, options: dict | None = None, data_ranks: int |
     data_ranks: ranks with batches of their own, where the recipe knows better than the mesh (pipeline: 1)."""
     world = data_ranks or data_parallel_size(accelerator)
     sequences = cfg.micro_batch_size * getattr(cfg, "gradient_accumulation_steps", 1) * world
-    return {
+    return {  # data_parallel_size: ranks with different batches; tensor_parallel_size: ranks splitting matrices
         "options": dataclasses.asdict(cfg) if options is None else options,
-        "distributed_type": accelerator.distributed_type.value,
-        "world_size": accelerator.num_processes,
-        "data_parallel_size": world,  # ranks with different batches x ranks splitting the matrices (TP)
-        "tensor_parallel_size": tensor_parallel_size(accelerator),
-        "mixed_precision": accelerator.mixed_precision,
-        "device": str(accelerator.device),
+        "distributed_type": accelerator.distributed_type.value, "world_size": accelerator.num_processes,
+        "data_parallel_size": world, "tensor_parallel_size": tensor_parallel_size(accelerator),
+        "mixed_precision": accelerator.mixed_precision, "device": str(accelerator.device),
         "cpu_threads": torch.get_num_threads() if accelerator.device.type == "cpu" else None,
-        "global_batch_sequences": sequences,
-        "global_batch_tokens": sequences * cfg.seq_len,
+        "global_batch_sequences": sequences, "global_batch_tokens": sequences * cfg.seq_len,
         # Which code ran: a recipe copied out with its own common/ must use that copy.
         "code": {"recipe": os.path.abspath(sys.argv[0]), "common": os.path.dirname(os.path.abspath(__file__))},
     }
@@ -306,8 +289,7 @@ def describe_setup(setup: dict, extra: dict | None = None) -> str:
     options, tp = setup["options"], setup["tensor_parallel_size"]
     threads = f" ({setup['cpu_threads']} torch threads per process)" if setup["cpu_threads"] else ""
     lines = [
-        "=" * 72,
-        f"distributed_type : {setup['distributed_type']}",
+        "=" * 72, f"distributed_type : {setup['distributed_type']}",
         f"world_size       : {setup['world_size']}"
         + (f" = {setup['data_parallel_size']} data-parallel x {tp} tensor-parallel" if tp > 1 else ""),
         f"mixed_precision  : {setup['mixed_precision']}",
@@ -317,7 +299,5 @@ def describe_setup(setup: dict, extra: dict | None = None) -> str:
         f"{'data-parallel ' if tp > 1 else ''}ranks; {setup['global_batch_tokens']:,} tokens "
         f"(seq_len {options['seq_len']})",
         *(f"{key:<17}: {value}" for key, value in (extra or {}).items()),
-        "options          : " + json.dumps(options, sort_keys=True),
-        "=" * 72,
-    ]
+        "options          : " + json.dumps(options, sort_keys=True), "=" * 72]
     return "\n".join(lines)

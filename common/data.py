@@ -1,11 +1,7 @@
-"""Data: three sources, tokenised with `datasets.map` (cached on disk), packed
-into blocks of seq_len + 1 tokens, and served by a loader whose order depends on (seed, epoch) only.
-
-Sources, first match wins:
-  --data_files a.txt b.txt | a.jsonl   local files through `datasets` (.txt: one document per
-                                       blank-line-separated paragraph; .json/.jsonl: --text_column)
-  --dataset_name NAME [--dataset_config C]  a Hub dataset (or a local dataset folder)
-  (nothing)                            tiny Shakespeare, shipped in common/corpus/ (no download)
+"""Data: tokenised with `datasets.map` (cached on disk), packed into blocks of seq_len + 1 tokens,
+served by a loader whose order depends on (seed, epoch) only. Sources: --data_files (.txt: one
+document per blank-line-separated paragraph; .json/.jsonl: --text_column), --dataset_name (Hub or
+local dataset folder), else tiny Shakespeare, shipped in common/corpus/ (no download).
 
 Held out: the last 10% of tiny Shakespeare's characters (nanoGPT's split, so losses compare), or
 a fixed random 2% of the documents of any other source (--eval_fraction changes either).
@@ -18,9 +14,7 @@ duplicated or padded; only the final partial block (< T+1 tokens) is dropped.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import os
 from pathlib import Path
 
 import numpy as np
@@ -34,16 +28,11 @@ SHAKESPEARE = Path(__file__).parent / "corpus" / "tinyshakespeare.txt"  # proven
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 SHAKESPEARE_EVAL_FRACTION = 0.1  # nanoGPT's shakespeare_char: train on the first 90%, validate on the rest
 DEFAULT_EVAL_FRACTION = 0.02  # other sources: documents held out at random (fixed seed)
-
 SPLIT_SEED = 0  # the held-out documents are fixed, so eval numbers compare across runs
 
 
-# ----------------------------------------------------------------------------------------------
-# The embedded default corpus
-# ----------------------------------------------------------------------------------------------
 def _cache_root() -> Path:
     import datasets
-
     return Path(datasets.config.HF_DATASETS_CACHE) / "accelerate_recipes"
 
 
@@ -58,9 +47,6 @@ def shakespeare_split(eval_fraction: float | None = None) -> tuple[str, str]:
     return text[:cut], text[cut:]
 
 
-# ----------------------------------------------------------------------------------------------
-# Tokenizer and raw documents
-# ----------------------------------------------------------------------------------------------
 def build_tokenizer(cfg):
     """The run's tokenizer: --tokenizer_name_or_path, else the pretrained model's, else bytes."""
     from transformers import AutoTokenizer, ByT5Tokenizer
@@ -83,26 +69,19 @@ def build_tokenizer(cfg):
     return tokenizer
 
 
-@contextlib.contextmanager
-def _quiet_datasets(quiet: bool):
-    """Hide datasets' progress bars while reading local files (instant, and they would bury a
-    one-line error); Hub downloads keep theirs."""
+def load_documents(cfg):
+    """The raw text as a `datasets.Dataset` with one column, 'text'. Local files load at once:
+    datasets' progress bars are hidden then (they would bury a one-line error); Hub downloads keep them."""
     import datasets
 
     was_disabled = datasets.utils.are_progress_bars_disabled()
-    if quiet:
+    if cfg.dataset_name is None:
         datasets.utils.disable_progress_bars()
     try:
-        yield
-    finally:
-        if quiet and not was_disabled:
-            datasets.utils.enable_progress_bars()
-
-
-def load_documents(cfg):
-    """The raw text as a `datasets.Dataset` with one column, 'text'."""
-    with _quiet_datasets(quiet=not cfg.dataset_name):
         return _load_documents(cfg)
+    finally:
+        if not was_disabled:
+            datasets.utils.enable_progress_bars()
 
 
 def _load_documents(cfg):
@@ -142,9 +121,6 @@ def _load_documents(cfg):
     return ds
 
 
-# ----------------------------------------------------------------------------------------------
-# Tokenise and pack
-# ----------------------------------------------------------------------------------------------
 def pack_into_blocks(stream: np.ndarray, block_len: int) -> np.ndarray:
     """View a 1-D token stream as [num_blocks, block_len]; the final partial block is dropped."""
     num_blocks = len(stream) // block_len
@@ -204,9 +180,6 @@ class PackedBlocks(Dataset):
         block = torch.from_numpy(self.blocks[index].astype(np.int64))
         return {"input_ids": block[:-1], "labels": block[1:], "index": index}
 
-    def token_stream(self) -> np.ndarray:
-        return self.blocks.reshape(-1)
-
 
 class PaddedDocuments(Dataset):
     """One document per row (--packing false): inputs = doc[:T], labels = doc[1:T+1], right-padded
@@ -214,9 +187,7 @@ class PaddedDocuments(Dataset):
     Right padding needs no attention mask in a causal model: no real token attends to a later pad."""
 
     def __init__(self, tokenized, seq_len: int, pad_id: int):
-        self.docs = tokenized
-        self.seq_len = seq_len
-        self.pad_id = pad_id
+        self.docs, self.seq_len, self.pad_id = tokenized, seq_len, pad_id
 
     def __len__(self):
         return len(self.docs)
@@ -229,9 +200,6 @@ class PaddedDocuments(Dataset):
         labels[: len(ids) - 1] = ids[1:]
         return {"input_ids": input_ids, "labels": labels, "index": index}
 
-    def token_stream(self) -> np.ndarray:
-        return np.concatenate([np.asarray(ids[: self.seq_len + 1]) for ids in self.docs["input_ids"]])
-
 
 def build_datasets(cfg, tokenizer):
     """Train and held-out datasets (PackedBlocks, or PaddedDocuments with --packing false); the
@@ -239,7 +207,7 @@ def build_datasets(cfg, tokenizer):
     docs = load_documents(cfg)
     if len(docs) < 2:
         raise ConfigError("need at least 2 documents to hold some out for eval")
-    if _is_shakespeare(cfg):  # two documents: the first 90% of the text and the held-out rest
+    if not cfg.data_files and not cfg.dataset_name:  # Shakespeare: its first 90% and the held-out rest
         split = {"train": docs.select([0]), "test": docs.select([1])}
     else:
         split = docs.train_test_split(test_size=cfg.eval_fraction or DEFAULT_EVAL_FRACTION, seed=SPLIT_SEED,
@@ -256,13 +224,6 @@ def build_datasets(cfg, tokenizer):
     return train, held_out
 
 
-def _is_shakespeare(cfg) -> bool:
-    return not cfg.data_files and not cfg.dataset_name
-
-
-# ----------------------------------------------------------------------------------------------
-# Loading in a resumable order
-# ----------------------------------------------------------------------------------------------
 class EpochShuffleSampler(Sampler[int]):
     """A permutation that depends on (seed, epoch) alone, never on the global RNG.
 
@@ -274,9 +235,7 @@ class EpochShuffleSampler(Sampler[int]):
     """
 
     def __init__(self, num_samples: int, seed: int):
-        self.num_samples = num_samples
-        self.seed = seed
-        self.epoch = 0
+        self.num_samples, self.seed, self.epoch = num_samples, seed, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -290,13 +249,8 @@ class EpochShuffleSampler(Sampler[int]):
 
 
 def build_loaders(cfg, train: PackedBlocks, held_out: PackedBlocks, pin_memory: bool):
-    train_loader = DataLoader(
-        train,
-        batch_size=cfg.micro_batch_size,
-        sampler=EpochShuffleSampler(len(train), cfg.seed),
-        drop_last=True,  # every optimizer step sees the same number of tokens
-        num_workers=cfg.num_workers,
-        pin_memory=pin_memory,
-    )
+    # drop_last: every optimizer step sees the same number of tokens
+    train_loader = DataLoader(train, batch_size=cfg.micro_batch_size, sampler=EpochShuffleSampler(len(train), cfg.seed),
+                              drop_last=True, num_workers=cfg.num_workers, pin_memory=pin_memory)
     eval_loader = DataLoader(held_out, batch_size=cfg.micro_batch_size, shuffle=False, pin_memory=pin_memory)
     return train_loader, eval_loader

@@ -19,5 +19,5 @@ def write_atomic(path: str | os.PathLike, write) -> Path:
     return path
 
 
-def write_json(path: str | os.PathLike, value) -> Path:
+def write_json(path: str | os.PathLike, value) -> Path:  # atomic, as above
     return write_atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(value, indent=1)))

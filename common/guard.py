@@ -24,18 +24,15 @@ def flag(name: str) -> bool:
 
 
 def requested() -> dict:
-    """What the launch (config file + command-line overrides) asked for, as accelerate passed it on."""
-    if flag("ACCELERATE_USE_DEEPSPEED"):
-        kind = "DEEPSPEED"
-    elif flag("ACCELERATE_USE_FSDP"):
-        kind = "FSDP"
-    else:
-        kind = None  # plain data parallel or single process: told apart by the world size
-    return {
-        "strategy": kind,
-        "world_size": int(os.environ.get("WORLD_SIZE", "1")),
-        "mixed_precision": os.environ.get("ACCELERATE_MIXED_PRECISION", "no"),
-    }
+    """What the launch (config file + command-line overrides) asked for, as accelerate passed it on.
+    Strategy None: plain data parallel or single process, told apart by the world size."""
+    kind = "DEEPSPEED" if flag("ACCELERATE_USE_DEEPSPEED") else "FSDP" if flag("ACCELERATE_USE_FSDP") else None
+    return {"strategy": kind, "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+            "mixed_precision": os.environ.get("ACCELERATE_MIXED_PRECISION", "no")}
+
+
+KINDS = {DistributedType.NO: "single", DistributedType.MULTI_GPU: "ddp", DistributedType.MULTI_CPU: "ddp",
+         DistributedType.FSDP: "fsdp", DistributedType.DEEPSPEED: "deepspeed"}
 
 
 def check_launch(accelerator, recipe: str, supports: tuple[str, ...]) -> None:
@@ -44,55 +41,36 @@ def check_launch(accelerator, recipe: str, supports: tuple[str, ...]) -> None:
     `supports` names the strategies the recipe is written for: "single" (one process), "ddp",
     "fsdp", "deepspeed", "tp" (tensor parallel), "fsdp+tp" (2D; both from parallelism_config).
     """
-    asked = requested()
-    dtype = accelerator.distributed_type
-    world = accelerator.num_processes
-    harness = os.environ.get(HARNESS_ENV) == "1"
-
+    asked, dtype, world = requested(), accelerator.distributed_type, accelerator.num_processes
     if world != asked["world_size"]:
-        raise ConfigError(
-            f"the launch started {asked['world_size']} processes but each runs alone (distributed type "
-            f"{dtype.value}, world size {world}): accelerate found no GPU backend. On a CPU-only machine use "
-            "ACCELERATE_USE_CPU=true for DDP, or the CPU harness (scripts/cpu_harness) for FSDP/DeepSpeed"
-        )
+        raise ConfigError(f"the launch started {asked['world_size']} processes but each runs alone (distributed type "
+                          f"{dtype.value}, world size {world}): accelerate found no GPU backend. On a CPU-only "
+                          "machine use ACCELERATE_USE_CPU=true for DDP, or the CPU harness (scripts/cpu_harness) "
+                          "for FSDP/DeepSpeed")
     if asked["strategy"] == "FSDP" and dtype != DistributedType.FSDP:
-        raise ConfigError(
-            f"the config asks for FSDP but accelerate runs {dtype.value} (with ACCELERATE_USE_CPU accelerate "
-            "turns FSDP into DDP); on CPU use the CPU harness (scripts/cpu_harness)"
-        )
+        raise ConfigError(f"the config asks for FSDP but accelerate runs {dtype.value} (with ACCELERATE_USE_CPU "
+                          "accelerate turns FSDP into DDP); on CPU use the CPU harness (scripts/cpu_harness)")
     if asked["strategy"] == "DEEPSPEED" and dtype != DistributedType.DEEPSPEED:
         raise ConfigError(f"the config asks for DeepSpeed but accelerate runs {dtype.value}")
     if asked["strategy"] is None and dtype in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         raise ConfigError(f"accelerate runs {dtype.value} although the launch config did not ask for it")
     if accelerator.mixed_precision != asked["mixed_precision"]:
-        raise ConfigError(
-            f"the config asks for mixed precision {asked['mixed_precision']!r} "
-            f"but accelerate runs {accelerator.mixed_precision!r}"
-        )
+        raise ConfigError(f"the config asks for mixed precision {asked['mixed_precision']!r} "
+                          f"but accelerate runs {accelerator.mixed_precision!r}")
     if accelerator.mixed_precision == "fp16" and dtype != DistributedType.DEEPSPEED and accelerator.scaler is None:
-        raise ConfigError(
-            "fp16 without a GradScaler: accelerate builds none on this device (CPU), so it would train in "
-            "fp32 while reporting fp16; use mixed_precision 'no' or 'bf16' here"
-        )
-
-    kind = {
-        DistributedType.NO: "single",
-        DistributedType.MULTI_GPU: "ddp",
-        DistributedType.MULTI_CPU: "ddp",
-        DistributedType.FSDP: "fsdp",
-        DistributedType.DEEPSPEED: "deepspeed",
-    }.get(dtype)
+        raise ConfigError("fp16 without a GradScaler: accelerate builds none on this device (CPU), so it would train "
+                          "in fp32 while reporting fp16; use mixed_precision 'no' or 'bf16' here")
+    kind = KINDS.get(dtype)
     if tensor_parallel_size(accelerator) > 1:
         kind = "fsdp+tp" if accelerator.parallelism_config.dp_shard_size > 1 else "tp"
     elif flag("ACCELERATE_USE_PARALLELISM_CONFIG") and int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1")) > 1:
         raise ConfigError("the config asks for tensor parallelism but accelerate built no tensor-parallel mesh")
     if kind not in supports:
-        hint = "recipes/train.py runs with every config"
-        running = {"tp": "tensor parallel (tp)", "fsdp+tp": "2D FSDP2 x tensor parallel (fsdp+tp)"}.get(kind, dtype.value)
-        raise ConfigError(f"{recipe} is written for {', '.join(supports)}, not {running}; {hint}")
-    if kind == "fsdp":
-        plugin = accelerator.state.fsdp_plugin
-        if plugin.fsdp_version != 2:
-            raise ConfigError(f"{recipe} uses FSDP2 (fsdp_version: 2); the config has fsdp_version {plugin.fsdp_version}")
-    if harness and accelerator.device.type != "cpu":
+        running = {"tp": "tensor parallel (tp)", "fsdp+tp": "2D FSDP2 x tensor parallel (fsdp+tp)"}.get(kind)
+        raise ConfigError(f"{recipe} is written for {', '.join(supports)}, not {running or dtype.value}; "
+                          "recipes/train.py runs with every config")
+    if kind == "fsdp" and accelerator.state.fsdp_plugin.fsdp_version != 2:
+        raise ConfigError(f"{recipe} uses FSDP2 (fsdp_version: 2); the config has fsdp_version "
+                          f"{accelerator.state.fsdp_plugin.fsdp_version}")
+    if os.environ.get(HARNESS_ENV) == "1" and accelerator.device.type != "cpu":
         raise ConfigError("the CPU harness is active on a machine where accelerate found an accelerator")

@@ -46,16 +46,10 @@ def model_config(cfg, vocab_size: int | None = None):
         try:
             return AutoConfig.from_pretrained(cfg.model_name_or_path)
         except OSError as err:
-            raise ConfigError(f"cannot load model config from {cfg.model_name_or_path}: {str(err).splitlines()[0]}")
-    return LlamaConfig(
-        vocab_size=vocab_size or 259,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        mlp_bias=False,
-        rms_norm_eps=1e-5,
-        initializer_range=0.02,
-        **PRESETS[cfg.preset],
-    )
+            raise ConfigError(f"cannot load model config from {cfg.model_name_or_path}: "
+                              f"{str(err).splitlines()[0]}") from None
+    return LlamaConfig(vocab_size=vocab_size or 259, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+                       rms_norm_eps=1e-5, initializer_range=0.02, **PRESETS[cfg.preset])
 
 
 def check_seq_len(cfg) -> None:
@@ -73,15 +67,13 @@ def build_model(cfg, vocab_size: int) -> nn.Module:
         # 10-bit mantissa (fp32 accumulation). Under bf16 autocast most matmuls are bf16 anyway.
         torch.set_float32_matmul_precision("high")
     if cfg.model_name_or_path:
-        model = AutoModelForCausalLM.from_pretrained(
-            cfg.model_name_or_path, attn_implementation="sdpa", dtype=torch.float32
-        )
+        model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, attn_implementation="sdpa",
+                                                     dtype=torch.float32)
         if model.get_input_embeddings().num_embeddings < vocab_size:
             model.resize_token_embeddings(vocab_size)
     else:
-        model = AutoModelForCausalLM.from_config(
-            model_config(cfg, vocab_size), attn_implementation="sdpa", dtype=torch.float32
-        )
+        model = AutoModelForCausalLM.from_config(model_config(cfg, vocab_size), attn_implementation="sdpa",
+                                                 dtype=torch.float32)
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing works with FSDP2 and with inputs that need no grad.
         # transformers renamed the method (5.2x deprecates the old name); keep both working.
@@ -110,24 +102,19 @@ def build_optimizer(model: nn.Module, cfg, device: torch.device) -> torch.optim.
         # Under ZeRO-3's zero.Init a parameter is an empty 1-D placeholder; its real shape is ds_shape.
         is_matrix = len(getattr(param, "ds_shape", param.shape)) >= 2
         (decay if is_matrix and id(param) not in embedding_params else no_decay).append(param)
-    groups = [
-        {"params": params, "weight_decay": weight_decay}
-        for group, weight_decay in ((decay, cfg.weight_decay), (no_decay, 0.0))
-        for params in _split_by_mesh(group)
-    ]
+    groups = [{"params": params, "weight_decay": weight_decay}
+              for group, weight_decay in ((decay, cfg.weight_decay), (no_decay, 0.0))
+              for params in _split_by_mesh(group)]
     # Fused AdamW updates all tensors in one kernel instead of a loop of small ones. torch has
     # fused kernels for CUDA and (since 2.4) CPU; on this project's 2-core CPU the optimizer step
     # of the tiny preset takes ~2.5x less time than the default foreach implementation.
     fused = device.type in ("cuda", "cpu")
-    return torch.optim.AdamW(
-        groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=fused
-    )
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=fused)
 
 
 def _split_by_mesh(params: list) -> list[list]:
-    """One list per device mesh (plain tensors apart): a fused or foreach AdamW refuses a group that
-    mixes DTensors with plain tensors or DTensors of different meshes, which tensor parallelism
-    produces (sharded matrices, whole norms and embeddings). Without DTensors: the list as it is."""
+    """One list per device mesh (plain tensors apart): fused AdamW refuses a group mixing DTensors of
+    different meshes or with plain tensors, as tensor parallelism has (split matrices, whole norms)."""
     by_mesh = {}
     for param in params:
         by_mesh.setdefault(getattr(param, "device_mesh", None), []).append(param)
@@ -147,10 +134,9 @@ def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tens
 
 
 def build_scheduler(optimizer, cfg):
-    """transformers' schedules, in optimizer steps, after a linear warmup to --lr:
-    cosine to min_lr_ratio * lr; linear to 0; constant; wsd (warmup-stable-decay: flat, then the
-    last decay_fraction of the steps decays to min_lr_ratio * lr, so a run can be extended or
-    branched from its stable phase)."""
+    """transformers' schedules in optimizer steps, after a linear warmup to --lr: cosine to
+    min_lr_ratio * lr; linear to 0; constant; wsd (flat, then the last decay_fraction of the steps
+    decay to min_lr_ratio * lr: a run can be extended or branched from its stable phase)."""
     name, kwargs = {
         "cosine": ("cosine_with_min_lr", {"min_lr_rate": cfg.min_lr_ratio}),
         "linear": ("linear", {}),
@@ -164,14 +150,11 @@ def build_scheduler(optimizer, cfg):
 
 @torch.no_grad()
 def evaluate(model, eval_loader, accelerator, max_batches: int = 0) -> dict:
-    """Token-weighted mean loss over the held-out blocks, across all ranks, each block counted once.
-
-    Every rank gathers (sample index, loss sum, target tokens) per sequence, and the sums are taken
-    over distinct sample indices at the end. That drops the rows accelerate repeats to even out the
-    last batch across ranks (a mean of per-rank means would count them) and, under tensor
-    parallelism, the identical rows of a TP group, which gather_for_metrics' trimming of the last
-    batch does not expect (measured 1e-3 off). One CPU-GPU sync at the end, none per batch.
-    """
+    """Token-weighted mean loss over the held-out blocks, across all ranks, each block counted once:
+    (sample index, loss sum, target tokens) per sequence are gathered and summed over distinct
+    indices, which drops the rows accelerate repeats to even out the last batch and, under TP, the
+    identical rows of a TP group (gather_for_metrics' trimming was measured 1e-3 off there). One
+    CPU-GPU sync at the end, none per batch."""
     model.eval()
     rows = []
     for i, batch in enumerate(eval_loader):

@@ -45,15 +45,14 @@ from common.export import export_pretrained
 from common.files import write_json
 
 
-# New: the accumulation option (--gradient_accumulation_steps).
+# New: the accumulation option (--gradient_accumulation_steps); gradient norms as numbers.
 @dataclass
 class Options(config.AccumulationOptions, config.RecipeConfig):
     """The core options, and the number of micro-batches per optimizer step."""
-# End new
 
 
-# New: a gradient norm as a number: FSDP2 returns a DTensor, DeepSpeed a float, the rest a tensor.
 def as_float(norm) -> float:
+    """FSDP2 returns a gradient norm as a DTensor, DeepSpeed as a float, the rest as a tensor."""
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 # End new
 

@@ -14,10 +14,11 @@ rank owning each partition. With offload, parameter partitions wait in CPU RAM b
 the optimizer step runs on the CPU (DeepSpeedCPUAdam, to which accelerate maps the recipe's
 torch AdamW with its parameter groups).
 
-Memory per rank (read from DeepSpeed's code, docs/toolchain.md): GPU: almost nothing at rest, the gathered
-layers and activations at peak. CPU RAM: the parameter partition, a separate fp32 master copy,
-fp32 gradients and two AdamW moments: about (4 + 4 + 4 + 8)/N = 20/N bytes per parameter in fp32
-training (18/N with bf16 parameters), not the 16/N of the ZeRO paper's accounting.
+Memory per rank (read from DeepSpeed's code, docs/toolchain.md#zero-3-fp32-master-copy): GPU:
+almost nothing at rest, the gathered layers and activations at peak. CPU RAM: the parameter
+partition, a separate fp32 master copy, fp32 gradients and two AdamW moments: about
+(4 + 4 + 4 + 8)/N = 20/N bytes per parameter in fp32 training, not the 16/N of the ZeRO paper's
+accounting.
 
 Communication per optimizer step: all-gather of parameters in forward and in backward and a
 reduce-scatter of gradients (like FSDP, about 1.5x DDP), plus PCIe traffic: parameters to the GPU

@@ -41,13 +41,13 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from common import config, data, guard
-from common import model as modeling
-from common.files import write_json
-# New: the pipeline stages and their schedule (the export is the pipeline's, not common/export's)
+# New: the pipeline stages and their schedule; the export is the pipeline's, not common/export's
 import dataclasses
 
 from accelerate.utils import gather_object
 
+from common import model as modeling
+from common.files import write_json
 from train_extras import parallel
 # End new
 

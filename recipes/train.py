@@ -29,7 +29,7 @@ Preemption (SIGTERM/SIGUSR1 on any rank): every rank finishes the step, a checkp
 or hangs makes the others stop within --collective_timeout seconds with a message, not hang.
 Per log interval: tokens/s (global, per device), step time, MFU, memory per rank, ETA, into
 run_summary.json and the trackers of --report_to (secrets removed first). --compile compiles
-each decoder layer (accelerate's regional compilation).
+each decoder layer once (accelerate's regional compilation).
 
 Host syncs per optimizer step: one (the NaN/inf and preemption decision, which must be known before
 the update), plus one under fp16 (the GradScaler's scale, to see a skipped step). Losses and
@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import (DistributedType, GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs,
-                               TorchDynamoPlugin, set_seed)
+                               compile_regions_fsdp2, set_seed)
 from tqdm.auto import tqdm
 
 from common import config, data, guard
@@ -135,8 +135,6 @@ def main(argv=None):
         gradient_accumulation_plugin=plugin,
         step_scheduler_with_optimizer=False,
         fsdp_plugin=strategy.fsdp_plugin(modeling.model_config(cfg)),  # None unless the config asks for FSDP
-        # --compile: accelerate compiles each repeated block once and reuses it (regional compilation)
-        dynamo_plugin=TorchDynamoPlugin(backend="inductor", use_regional_compilation=True) if cfg.compile else None,
         log_with=cfg.report_to or None,  # trackers see only redacted options (train_extras/tracking.py)
         project_dir=cfg.output_dir,
         kwargs_handlers=[
@@ -186,6 +184,13 @@ def main(argv=None):
 
     # ---- model, optimizer, schedule ----
     model = modeling.build_model(cfg, len(tokenizer))
+    if cfg.compile:
+        # accelerate's regional compilation, in place (its FSDP2 and DeepSpeed route, here for every
+        # strategy): each repeated block compiled once and reused, the rest apart. In place, the
+        # parameter names stay as they are (its out-of-place variant, accelerate's route for one
+        # process and DDP, prefixes them with _orig_mod: the export would not load), and FSDP2's
+        # hooks, added later by prepare, still run.
+        compile_regions_fsdp2(model)
     num_params = metrics.count_parameters(model)
     if tensor_parallel:  # TP (then FSDP2 for 2D) on accelerate's mesh, by torch's own APIs
         model = parallel.parallelize(model, accelerator)
@@ -205,7 +210,7 @@ def main(argv=None):
                   "compiled_regions": metrics.compiled_regions(model)},
         "peak_flops_per_device": peak,
         "data": {"train_blocks": len(train_set), "eval_blocks": len(eval_set),
-                 "eval_bigram_entropy": metrics.bigram_entropy(eval_set.token_stream())},
+                 "eval_bigram_entropy": metrics.bigram_entropy(metrics.token_stream(eval_set))},
         "losses": [], "eval": [], "samples": [], "throughput": [],
     }
     data_ranks = config.data_parallel_size(accelerator)  # the world size over the tensor-parallel size

@@ -1,6 +1,7 @@
 """GPU check: every recipe with its config on the GPUs present, in priority order, one row each.
 
-    python scripts/gpu_check.py --out benchmarks/results/gpu_check-$(date +%F)   # all 25 runs; the first 16 took ~11 min on one H200
+    # all 25 runs; the first 16 took ~11 min on one H200
+    python scripts/gpu_check.py --out benchmarks/results/gpu_check-$(date +%F)
     python scripts/gpu_check.py --only 10 11 12 --out DIR                      # a subset, numbered as --dry-run shows
     python scripts/gpu_check.py --dry-run                                       # what it would run, in order
 
@@ -15,7 +16,7 @@ their rows say "skipped (needs N GPUs)", which does not fail the check.
 
 Rows come from each run's run_summary.json (never from parsing logs). tokens/s is the median of
 the logging intervals after the first (which holds start-up work); MFU = tokens/s x FLOPs per
-token / (world size x the GPU's dense datasheet peak for that precision, common/metrics.py).
+token / (world size x the GPU's dense datasheet peak for that precision, train_extras/metrics.py).
 """
 
 from __future__ import annotations
@@ -151,16 +152,17 @@ def launch_command(recipe, config, precision, world, args, output_dir, extra_lau
 
 
 def row_from_summary(summary: dict, args, gpu_name: str) -> dict:
-    from common.config import TrainConfig
+    from common.config import RecipeConfig
     from train_extras.metrics import peak_tflops
-    from common.model import flops_per_token, model_config
+    from common.model import model_config
+    from train_extras.flops import flops_per_token
 
     setup = summary["setup"]
     world = setup["world_size"]
     rates = [t["tokens_per_s"] for t in summary["throughput"]]
     steady = rates[1:] or rates  # the first interval holds start-up work (allocator, kernels' first use)
     tokens_per_s = statistics.median(steady)
-    flops = flops_per_token(model_config(TrainConfig(preset=args.preset), 259), args.seq_len)
+    flops = flops_per_token(model_config(RecipeConfig(preset=args.preset), 259), args.seq_len)
     peak = peak_tflops(gpu_name, setup["mixed_precision"])
     mfu = tokens_per_s * flops / (world * peak * 1e12) if peak else None
     memory = max((r.get("cuda_max_allocated_bytes", r["cpu_max_rss_bytes"]) for r in summary["peak_memory_per_rank"]))
@@ -220,7 +222,8 @@ def main(argv=None) -> int:
             try:
                 proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                                       env={**os.environ, "TOKENIZERS_PARALLELISM": "false",
-                                           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+                                           "PYTHONPATH": os.pathsep.join(
+                                               filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
                 output, code = proc.stdout + proc.stderr, proc.returncode
             except subprocess.TimeoutExpired as err:
                 output, code = f"{err.stdout or ''}{err.stderr or ''}", None

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build or download, into a folder, the wheels the GPU check machine lacks. It has no network and
 # its python3 (3.12, x86_64) already holds torch, transformers, accelerate, safetensors, tokenizers,
-# pandas, pyarrow, xxhash, psutil, ninja, msgpack, py-cpuinfo (FACTS.md, the device notes); it
+# pandas, pyarrow, xxhash, psutil, ninja, msgpack, py-cpuinfo (docs/toolchain.md#the-gpu-check-machine); it
 # lacks deepspeed, datasets and a few of their pure-Python dependencies.
 #   bash scripts/gpu_wheels.sh wheels        # then carry wheels/ with the working tree
 set -euo pipefail

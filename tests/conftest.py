@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -60,10 +61,10 @@ def probe_dir(output_dir: Path) -> Path:
     return output_dir.with_name(output_dir.name + ".probe")
 
 
-# How each config runs as 2 CPU processes over gloo (docs/toolchain.md): DDP through accelerate's own
-# MULTI_CPU path; FSDP2 and DeepSpeed through the CPU harness (which the probes' sitecustomize
-# chains). fp32, because bf16 autocast is ~10x slower on these CPUs and parity is checked at fp32
-# tolerances.
+# How each config runs as 2 CPU processes over gloo (docs/toolchain.md#multi-process-cpu-runs): DDP
+# through accelerate's own MULTI_CPU path; FSDP2 and DeepSpeed through the CPU harness (which the
+# probes' sitecustomize chains). fp32, because parity is checked at fp32 tolerances (and bf16 is
+# slow on CPUs without bf16 units: docs/toolchain.md#bf16-and-fp16-on-cpu).
 _HARNESS_ENV = {"ACCELERATE_RECIPES_CPU_HARNESS": "1"}
 TWO_CPU_PROCESSES = {
     "ddp.yaml": {"ACCELERATE_USE_CPU": "true"},
@@ -98,6 +99,14 @@ def launch(recipe: str, args: list[str], hf_home: Path, config: str = "cpu.yaml"
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
                              + "\n".join(worker_lines[:40]) + "\n" + proc.stderr[-4000:])
     return proc
+
+
+def load_recipe(name: str):
+    """A recipe file as a module (its main() and Options), in this process."""
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", ROOT / "recipes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def parse_train(argv: list[str]) -> TrainConfig:
@@ -238,7 +247,8 @@ PAIRS = {
     "train.py/ddp.yaml": ("train.py", "ddp.yaml"),
     "fsdp_full_shard.py/fsdp.yaml": ("fsdp_full_shard.py", "fsdp.yaml"),
     "train.py/fsdp.yaml": ("train.py", "fsdp.yaml"),
-    "deepspeed_zero3_offload.py/deepspeed_zero3_offload.yaml": ("deepspeed_zero3_offload.py", "deepspeed_zero3_offload.yaml"),
+    "deepspeed_zero3_offload.py/deepspeed_zero3_offload.yaml": ("deepspeed_zero3_offload.py",
+                                                                "deepspeed_zero3_offload.yaml"),
     "train.py/deepspeed_zero3_offload.yaml": ("train.py", "deepspeed_zero3_offload.yaml"),
 }
 @pytest.fixture(scope="session")

@@ -56,7 +56,8 @@ def synthetic_documents(num_documents: int, seed: int = SYNTHETIC_SEED) -> list[
 def corpus_file(num_documents: int = 8000) -> str:
     """The path of a .jsonl of `num_documents` synthetic documents ({"text": ...} per line), written
     on first use into a folder shared by the whole test session (and later ones)."""
-    folder = Path(os.environ.get("ACCELERATE_RECIPES_TEST_DATA", Path(tempfile.gettempdir()) / "accelerate_recipes_data"))
+    default = Path(tempfile.gettempdir()) / "accelerate_recipes_data"
+    folder = Path(os.environ.get("ACCELERATE_RECIPES_TEST_DATA", default))
     path = folder / f"synthetic_v{SYNTHETIC_VERSION}_seed{SYNTHETIC_SEED}_docs{num_documents}.jsonl"
     if not path.exists():
         folder.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,7 @@ def test_resume_is_exact_on_one_process(tmp_path, hf_home, train_run):
 ])
 def test_resume_is_exact_on_two_processes(config, tolerance, tmp_path, hf_home, two_process_runs, initial_model):
     full = two_process_runs(f"train.py/{config}")
-    args = TWO_RANK_ARGS + ["--save_every", "30"]
+    args = TWO_RANK_ARGS + ["--save_every", "30", "--sample_length", "8"]  # as the full run
     if config != "ddp.yaml":
         args += ["--model_name_or_path", str(initial_model)]  # as the full run; load_state replaces the weights
     resumed = Run(tmp_path, launch_two_processes("train.py", config, resume_args(args, full, 30, tmp_path), hf_home))
@@ -103,7 +103,8 @@ def test_a_checkpoint_from_another_model_or_strategy_is_refused(tmp_path, hf_hom
                          hf_home, check=False)
     # a replicated (single-process) checkpoint cannot feed FSDP2's sharded loader
     other_strategy = launch_two_processes("train.py", "fsdp.yaml",
-                                          resume_args(TWO_RANK_ARGS, train_run, 30, tmp_path / "b"), hf_home, check=False)
+                                          resume_args(TWO_RANK_ARGS, train_run, 30, tmp_path / "b"), hf_home,
+                                          check=False)
     for proc, message in ((other_model, "was saved from preset 'debug'; this run builds preset 'tiny'"),
                           (other_strategy, "was saved with distributed_type NO; this run has FSDP")):
         assert proc.returncode != 0

@@ -14,7 +14,8 @@ def test_defaults():
 
 
 def test_cli_types():
-    cfg = parse_train(["--lr", "1e-4", "--max_steps", "7", "--warmup_steps", "0", "--gradient_checkpointing", "--lr_schedule", "wsd",
+    cfg = parse_train(["--lr", "1e-4", "--max_steps", "7", "--warmup_steps", "0", "--gradient_checkpointing",
+                       "--lr_schedule", "wsd",
                         "--save_model", "false"])
     assert cfg.lr == 1e-4 and cfg.max_steps == 7 and cfg.gradient_checkpointing is True
     assert cfg.lr_schedule == "wsd" and cfg.save_model is False

@@ -71,7 +71,7 @@ def test_a_thread_count_the_user_chose_stands(monkeypatch):
                               ([], {"OMP_NUM_THREADS": "1"}, True)]:
         # a stand-in launcher process, whose /proc entries the check reads
         launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *args], env={**clean, **env})
-        monkeypatch.setattr(os, "getppid", lambda: launcher.pid)
+        monkeypatch.setattr(os, "getppid", lambda pid=launcher.pid: pid)
         for _ in range(100):  # until /proc shows the started program (not yet, on a busy machine)
             if b"time.sleep" in Path(f"/proc/{launcher.pid}/cmdline").read_bytes():
                 break

@@ -414,7 +414,8 @@ def test_multi_node_config_and_its_per_machine_commands(config):
     # num_processes counts the ranks of all machines; each machine runs the same number.
     assert values["num_processes"] % values["num_machines"] == 0
     assert values["num_processes"] > values["num_machines"]
-    # MULTI_GPU (or a GPU strategy): what runs as MULTI_CPU over gloo with ACCELERATE_USE_CPU (FACTS.md).
+    # MULTI_GPU (or a GPU strategy): what runs as MULTI_CPU over gloo with ACCELERATE_USE_CPU
+    # (docs/toolchain.md#multi-process-cpu-runs).
     assert values["distributed_type"] in ("MULTI_GPU", "FSDP", "DEEPSPEED")
     # c10d takes its endpoint only from --rdzv_endpoint, which accelerate passes when same_network is false.
     if values["rdzv_backend"] == "c10d":
@@ -636,7 +637,7 @@ def test_pytorchjob_launch_lines_volumes_and_secrets():
         claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]
                   if "persistentVolumeClaim" in v}
         assert claims[mounts[image["HF_HOME"]]["name"]] == by_kind["PersistentVolumeClaim"]["metadata"]["name"]
-        for index in range(spec["replicas"]):
+        for _ in range(spec["replicas"]):
             # What the operator sets: RANK = pod index (Master 0, Worker-i i+1), the master's service.
             operator = {"RANK": str(machines), "MASTER_ADDR": f"{job['metadata']['name']}-master-0",
                         "MASTER_PORT": str(port)}

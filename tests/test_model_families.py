@@ -94,7 +94,8 @@ RUNS = [(family, config) for family in FAMILIES for config in CONFIGS]
 
 @pytest.mark.parametrize("family, config", RUNS)
 def test_each_family_trains_under_each_strategy(family, config, family_runs):
-    summary = family_runs(family, config).summary
+    run = family_runs(family, config)
+    summary = run.summary
     assert summary["setup"]["distributed_type"] == DISTRIBUTED_TYPE[config]
     assert summary["setup"]["world_size"] == (1 if config == "cpu.yaml" else 2)
     assert summary["setup"]["global_batch_sequences"] == 8
@@ -207,7 +208,8 @@ def test_a_tokenizer_that_encodes_nothing_is_refused(family_models, byte_tokeniz
     shutil.copytree(family_models["qwen2"], mismatched)
     for path in byte_tokenizer.iterdir():
         shutil.copy(path, mismatched)
-    with pytest.raises(ConfigError, match="encodes text to no tokens; give a working one with --tokenizer_name_or_path"):
+    with pytest.raises(ConfigError, match="encodes text to no tokens; give a working one with "
+                                          "--tokenizer_name_or_path"):
         build_tokenizer(TrainConfig(model_name_or_path=str(mismatched)))
 
 

@@ -11,7 +11,7 @@ import torch
 
 from train_extras import metrics, tracking
 from common.config import ConfigError
-from conftest import DEBUG_ARGS, Run, launch, parse_train
+from conftest import DEBUG_ARGS, Run, check_export_reproduces_model, launch, parse_train
 
 # Secret-looking values in two options and two environment variables; none may reach a tracker.
 SECRETS = {
@@ -172,7 +172,7 @@ def test_measuring_the_cpu_ceiling_leaves_the_global_rng_alone():
 def test_compile_gives_the_eager_losses(tmp_path, hf_home, train_run):
     """Regional torch.compile (inductor on CPU) against the eager train_run, same options.
     Tolerance 1e-5 (measured: <= 4.8e-7 over 60 steps; fused kernels round differently)."""
-    args = DEBUG_ARGS + ["--compile", "--save_model", "false", "--output_dir", str(tmp_path / "run")]
+    args = DEBUG_ARGS + ["--compile", "--output_dir", str(tmp_path / "run")]
     cache = tmp_path / "inductor_cache"
     compiled = Run(tmp_path / "run", launch("train.py", args, hf_home, env={"TORCHINDUCTOR_CACHE_DIR": str(cache)}))
     # accelerate's regional compilation: each of the debug preset's 2 decoder layers (and the rest apart)
@@ -182,3 +182,5 @@ def test_compile_gives_the_eager_losses(tmp_path, hf_home, train_run):
     for row in compiled.summary["losses"]:
         assert abs(row["loss"] - eager[row["step"]]) <= 1e-5, row
     assert abs(compiled.summary["eval"][-1]["loss"] - train_run.summary["eval"][-1]["loss"]) <= 1e-5
+    # compiled in place: the parameter names are the model's own, and the export loads as trained
+    check_export_reproduces_model(compiled)

@@ -62,7 +62,8 @@ FRAMEWORK_REAL = {
     "fp32": {
         "ddp": (16, 20, 0, 0),
         # fp32 flat params 4 + (an fp32 master COPY 4 + AdamW 8) / 8; + fp32 gradient partition 4/8.
-        # (FACTS.md's "about 8 + 12/N" counts full fp32 gradients: ZeRO-1 without overlap_comm, or
+        # (docs/toolchain.md#zero-1-and-zero-2-in-fp32: "about 8 + 12/N" counts full fp32 gradients:
+        # ZeRO-1 without overlap_comm, or
         # during backward when every parameter is larger than a bucket.)
         "zero1": (4 + 12 / 8, 4 + 16 / 8, 0, 0),
         "zero2": (4 + 12 / 8, 4 + 16 / 8, 0, 0),
@@ -213,7 +214,8 @@ def test_checkpointing_saving_measured_and_planned():
     plain, check = (plan.activation_bytes(shape, "fp32", seq, micro, c) for c in (False, True))
     kept = lambda a: a["blocks"] + a["rope"] + a["logits"]  # noqa: E731
     print(f"\ncheckpointing keeps {ckpt / full:.3f}x of the saved bytes (measured), {kept(check) / kept(plain):.3f}x "
-          f"(planned); with the recomputed block at peak: {(check['activations'] + check['logits']) / kept(plain):.3f}x")
+          "(planned); with the recomputed block at peak: "
+          f"{(check['activations'] + check['logits']) / kept(plain):.3f}x")
     assert ckpt / full == pytest.approx(kept(check) / kept(plain), rel=0.10)
     assert ckpt < 0.2 * full
 

@@ -24,8 +24,9 @@ from common.config import ConfigError
 from probes.sitecustomize import FAULT_PHASES
 from train_extras import checkpoint, preemption
 from train_extras.options import TrainConfig
-from conftest import (DEBUG_ARGS, HARNESS, PROBES, ROOT, TRAIN_ARGS, parse_train, TWO_CPU_PROCESSES, TWO_PROCESS_LAUNCH, TWO_RANK_ARGS, Run,
-                      check_exact_resume, check_resumed_losses, launch, launch_command, launch_two_processes, read_summary)
+from conftest import (DEBUG_ARGS, HARNESS, PROBES, ROOT, TRAIN_ARGS, TWO_CPU_PROCESSES, TWO_PROCESS_LAUNCH,
+                      TWO_RANK_ARGS, Run, check_exact_resume, check_resumed_losses, launch, launch_command,
+                      launch_two_processes, parse_train, read_summary)
 
 
 # ---- helpers ----
@@ -86,7 +87,8 @@ def start(recipe: str, args: list[str], hf_home: Path, logs: Path, **kwargs) -> 
     """`accelerate launch` in the background; output to files (a full pipe would block the run)."""
     cmd, env = launch_command(recipe, args, hf_home, **kwargs)
     logs.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(logs / "stdout", "w"), stderr=open(logs / "stderr", "w"))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(logs / "stdout", "w"),
+                            stderr=open(logs / "stderr", "w"))
     STARTED.append(proc)
     return proc
 
@@ -175,7 +177,7 @@ def test_sigusr1_to_the_launcher_alone_reaches_the_workers_when_the_launcher_is_
         tmp_path, hf_home):
     """SLURM's `--signal=B:USR1@120` signals the batch shell's child, the launcher, only. torchelastic
     forwards the signals named in PET_SIGNALS_TO_HANDLE (the README's command); without it SIGUSR1
-    kills the launcher and orphans the workers (FACTS.md)."""
+    kills the launcher and orphans the workers (docs/toolchain.md#launcher-signals)."""
     out, logs = tmp_path / "run", tmp_path / "logs"
     args = TWO_RANK_ARGS + ["--max_steps", "100000", "--eval_every", "0", "--save_model", "false",
                             "--output_dir", str(out)]
@@ -195,7 +197,8 @@ def test_sigterm_to_a_one_process_launcher_still_saves(tmp_path, hf_home):
     """The 1-process launcher forwards nothing and dies at once; the worker, told by the kernel that
     its parent died (PR_SET_PDEATHSIG), saves and stops instead of training on as an orphan."""
     out, logs = tmp_path / "run", tmp_path / "logs"
-    args = DEBUG_ARGS + ["--max_steps", "100000", "--eval_every", "0", "--save_model", "false", "--output_dir", str(out)]
+    args = DEBUG_ARGS + ["--max_steps", "100000", "--eval_every", "0", "--save_model", "false",
+                         "--output_dir", str(out)]
     proc = start("train.py", args, hf_home, logs)
     wait_for(lambda: "tok_s=" in text(logs), proc, "training progress")
     worker = worker_pids(proc)[0]
@@ -401,7 +404,8 @@ def test_a_world_size_change_inside_a_micro_step_is_refused_before_any_work(tmp_
     from train_extras.options import TrainConfig
 
     meta = {"step": 6, "micro_batches_done": 26, "batches_per_epoch": 25, "files": {},
-            "config": {"preset": "debug", "micro_batch_size": 2, "gradient_accumulation_steps": 2, "model_name_or_path": None},
+            "config": {"preset": "debug", "micro_batch_size": 2, "gradient_accumulation_steps": 2,
+                       "model_name_or_path": None},
             "setup": {"distributed_type": "FSDP", "world_size": 4}}
     (tmp_path / "checkpoint.json").write_text(json.dumps(meta))
     cfg = TrainConfig(preset="debug", micro_batch_size=2, gradient_accumulation_steps=1)
@@ -450,7 +454,8 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(damage, tmp_path, hf_ho
     shutil.copytree(train_run.output_dir / "checkpoints" / "step_30", ckpt)
     message = damage(ckpt)
     before = checksums(ckpt)
-    proc = launch("train.py", TRAIN_ARGS + ["--resume_from_checkpoint", str(ckpt), "--output_dir", str(tmp_path / "out")],
+    proc = launch("train.py", TRAIN_ARGS + ["--resume_from_checkpoint", str(ckpt),
+                                            "--output_dir", str(tmp_path / "out")],
                   hf_home, check=False)
     assert proc.returncode != 0
     ours = error_lines(proc.stderr)

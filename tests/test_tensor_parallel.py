@@ -176,7 +176,8 @@ def test_resume_is_exact(name, half, tp_runs, tmp_path, hf_home):
     shards = sorted(p.name for p in (step_half / parallel.SHARDED_STATE_DIR).glob("*.distcp"))
     world = full.summary["setup"]["world_size"]
     assert len(shards) == world and (step_half / parallel.SHARDED_STATE_DIR / ".metadata").is_file()
-    assert sorted(p.name for p in step_half.glob("random_states_*.pkl")) == [f"random_states_{r}.pkl" for r in range(world)]
+    rng_files = sorted(p.name for p in step_half.glob("random_states_*.pkl"))
+    assert rng_files == [f"random_states_{r}.pkl" for r in range(world)]
     args = RUNS[name][3] + ["--resume_from_checkpoint", str(step_half), "--output_dir", str(tmp_path)]
     resumed = Run(tmp_path, launch_tp(name, args, hf_home))
     check_exact_resume(full, resumed, half)
@@ -215,7 +216,8 @@ def test_a_checkpoint_resumes_only_on_its_own_mesh(tp_runs):
     cfg = TrainConfig(**{k: v for k, v in full.summary["setup"]["options"].items()})
     check_compatible(step_half, cfg, stand_in())  # its own mesh: fine
     for other, seen in ((stand_in(tp=2, dp_shard=2), "this run has 2 x 2"),
-                        (StandIn(parallelism_config=None, num_processes=2, distributed_type=SimpleNamespace(value="MULTI_GPU")),
+                        (StandIn(parallelism_config=None, num_processes=2,
+                                 distributed_type=SimpleNamespace(value="MULTI_GPU")),
                          "this run has 2 x 1")):
         with pytest.raises(ConfigError, match=f"saved with 1 data-parallel x 2 tensor-parallel ranks; {seen}"):
             check_compatible(step_half, cfg, other)

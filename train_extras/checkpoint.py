@@ -3,8 +3,9 @@
 Resumable checkpoints: `<output_dir>/checkpoints/step_<N>/` holds accelerate's `save_state` (model,
 optimizer, scheduler, GradScaler, every rank's RNG; sharded per rank under FSDP2 and DeepSpeed;
 under tensor parallelism, where the model and optimizer are not accelerate's, their shards go to
-torch.distributed.checkpoint in `model_optimizer_dcp/`, train_extras/parallel.py) plus `checkpoint.json`: the step, the data position, the resolved config and the list of every
-file with its size. Rotation keeps the newest --save_total_limit by step number (never sorted as
+torch.distributed.checkpoint in `model_optimizer_dcp/`, train_extras/parallel.py) plus
+`checkpoint.json`: the step, the data position, the resolved config and the list of every file
+with its size. Rotation keeps the newest --save_total_limit by step number (never sorted as
 text: step_9 < step_10).
 
 Crash safety: a checkpoint is written under `.step_<N>.partial`, its files are fsynced, and it is

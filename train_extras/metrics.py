@@ -140,6 +140,13 @@ def peak_memory(accelerator) -> list[dict]:
     return gather_object([mine]) if accelerator.num_processes > 1 else [mine]
 
 
+def token_stream(dataset) -> np.ndarray:
+    """The tokens a held-out dataset of common/data.py holds: packed blocks, or padded documents."""
+    if hasattr(dataset, "blocks"):
+        return dataset.blocks.reshape(-1)
+    return np.concatenate([np.asarray(ids[: dataset.seq_len + 1]) for ids in dataset.docs["input_ids"]])
+
+
 def bigram_entropy(stream: np.ndarray) -> float:
     """Conditional entropy H(x_t | x_{t-1}) of a token stream, in nats, from its own counts.
 

@@ -10,11 +10,11 @@ from common.config import AccumulationOptions, ConfigError, Fp16Options, RecipeC
 @dataclass
 class CheckpointOptions:
     save_every: int = field(
-        default=0, metadata={"help": "Save a resumable checkpoint every N optimizer steps (and at the end); 0 = never."})
+        default=0, metadata={"help": "Save a resumable checkpoint every N optimizer steps (and at the end); 0 = no."})
     save_total_limit: int = field(default=0, metadata={"help": "Keep only the newest N checkpoints; 0 = keep all."})
     resume_from_checkpoint: str | None = field(
         default=None,
-        metadata={"help": "'auto' (newest complete checkpoint in output_dir, else start fresh) or a checkpoint folder."})
+        metadata={"help": "'auto' (newest complete checkpoint in output_dir, else start afresh) or a checkpoint."})
     save_on_preemption: bool = field(
         default=True,
         metadata={"help": "On SIGTERM/SIGUSR1: finish the step, save a checkpoint, write requeue.json, exit 75."})
@@ -47,7 +47,7 @@ class TrackingOptions:
         default=None,
         metadata={"help": "Trackers: any of tensorboard, wandb, trackio (secrets are removed from what they get)."})
     project_name: str = field(default="accelerate-recipes", metadata={"help": "Tracker project name."})
-    run_name: str | None = field(default=None, metadata={"help": "Tracker run name; default: the output folder's name."})
+    run_name: str | None = field(default=None, metadata={"help": "Tracker run name; default: the output folder's."})
 
     def check(self):
         if self.report_to:

@@ -28,9 +28,10 @@ dimension ("Cannot concatenate overlapping meshes"), and accelerate 1.15's own 2
 it (ImportError ReplicateParallel). parallelize_module also works on a model built in memory (a
 random-init preset), where tp_plan needs a saved folder.
 
-The sharded model is not passed to `accelerator.prepare` (accelerate 1.15 accepts a TP model only from
-transformers' tp_plan loading: NotImplementedError otherwise); the optimizer neither, so accelerate's save_state keeps what it can save (scheduler, every
-rank's RNG) and the model and optimizer go to torch.distributed.checkpoint (save_sharded/load_sharded).
+The sharded model is not passed to `accelerator.prepare` (accelerate 1.15 accepts a TP model only
+from transformers' tp_plan loading: NotImplementedError otherwise); the optimizer neither, so
+accelerate's save_state keeps what it can save (scheduler, every rank's RNG) and the model and
+optimizer go to torch.distributed.checkpoint (save_sharded/load_sharded).
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def check(accelerator, cfg, model_config, recipe: str) -> None:
 
     text = text_config(model_config)
     if not getattr(text, "base_model_tp_plan", None):
-        raise ConfigError(f"{recipe}: the {type(text).__name__.replace('Config', '')} model declares no tensor-parallel "
+        family = type(text).__name__.replace('Config', '')
+        raise ConfigError(f"{recipe}: the {family} model declares no tensor-parallel "
                           "plan (base_model_tp_plan in its transformers config), so tensor parallelism cannot "
                           "split it; use a data-parallel or FSDP config")
     tp = shape["tp"]
@@ -147,7 +149,8 @@ def load_with_tp_plan(folder: str, cfg, tp_size: int, accelerator) -> nn.Module:
     meshes = {tuple(p.device_mesh.mesh.flatten().tolist()) for p in model.parameters() if hasattr(p, "device_mesh")}
     if meshes != {tuple(expected)}:
         raise ConfigError(f"transformers sharded the model over ranks {sorted(meshes)}, not accelerate's TP group "
-                          f"{expected}; this transformers version needs another route (train_extras/parallel.parallelize)")
+                          f"{expected}; this transformers version needs another route "
+                          "(train_extras/parallel.parallelize)")
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory

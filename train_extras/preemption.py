@@ -1,9 +1,10 @@
 """Preemption and lost ranks. On SIGTERM or SIGUSR1: finish the optimizer step, save a checkpoint,
 leave a requeue marker, exit (75). A rank that dies or hangs: the others stop with one line (exit 4)
-after --collective_timeout instead of hanging (`run_cli`). Preemptible GPUs, SLURM time limits and requeues, and Kubernetes evictions all end a
-job this way; none may cost more than the work since the last step.
+after --collective_timeout instead of hanging (`run_cli`). Preemptible GPUs, SLURM time limits
+and requeues, and Kubernetes evictions all end a job this way; none may cost more than the work
+since the last step.
 
-Who sends the signal, and to whom (accelerate 1.15 / torch 2.13, FACTS.md):
+Who sends the signal, and to whom (accelerate 1.15 / torch 2.13, docs/toolchain.md#launcher-signals):
 - SLURM (`scancel --signal=TERM`, the time limit, `#SBATCH --signal=USR1@120`) and Kubernetes
   signal processes directly: SLURM every process of the step, Kubernetes PID 1 of the container.
 - With several processes `accelerate launch` runs torchelastic, which forwards SIGTERM (and

@@ -118,18 +118,16 @@ def _blocks_to_wrap(model_config) -> list[str]:
     return named
 
 
-def configure_deepspeed(accelerator, cfg, require_stage: int | None = None) -> None:
-    """Make DeepSpeed's config agree with the recipe's options before `prepare`; no-op otherwise.
+def configure_deepspeed(accelerator, cfg) -> None:
+    """Make DeepSpeed's config agree with the options before `prepare`; no-op otherwise.
 
     accelerate fills `gradient_clipping: "auto"` with 1.0 whatever the recipe clips at; DeepSpeed
-    clips inside its own step, so the recipe's --max_grad_norm must reach its config (0 = off).
+    clips inside its own step, so --max_grad_norm must reach its config (0 = off). (The same as
+    recipes/deepspeed_zero3_offload.py shows in its own file.)
     """
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         return
     ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
-    stage = ds_config.get("zero_optimization", {}).get("stage")
-    if require_stage is not None and stage != require_stage:
-        raise ConfigError(f"this recipe is written for ZeRO stage {require_stage}; the DeepSpeed config has stage {stage}")
     clip = ds_config.get("gradient_clipping", "auto")
     if clip == "auto":
         ds_config["gradient_clipping"] = cfg.max_grad_norm

@@ -3,7 +3,7 @@ removed before any tracker sees them.
 
 accelerate's `init_trackers(config=...)` writes every value as given: a token passed in an option
 ends up in TensorBoard's hparams and event file, in wandb's run file and debug log, and in
-trackio's database (FACTS.md). So the config (and the run name) go through `redact` first:
+trackio's database (docs/toolchain.md#trackers-and-secrets). So the config (and the run name) go through `redact` first:
 - the whole value of any key that names a secret (token, api_key, password, secret, credential...);
 - substrings that look like credentials wherever they are: Hugging Face / OpenAI / GitHub / Slack
   tokens, AWS access key ids, 40-hex keys (wandb's format), passwords in URLs, `token=` query values;
@@ -38,7 +38,8 @@ SECRET_VALUE = re.compile(
 )
 URL_PASSWORD = re.compile(r"(://[^/\s:@]*:)[^/\s@]+(@)")  # user:password@ (the user may be empty)
 # a query or key=value pair whose name mentions a secret: ?api_key=..., &X-Amz-Signature=..., access-token=...
-QUERY_SECRET = re.compile(r"((?:^|[?&;,\s])[\w.-]*(?:token(?!izer)|key|secret|passw|sig|credential|auth)[\w.-]*=)[^&;,\s]+",
+QUERY_SECRET = re.compile(r"((?:^|[?&;,\s])[\w.-]*(?:token(?!izer)|key|secret|passw|sig|credential|auth)[\w.-]*=)"
+                          r"[^&;,\s]+",
                           re.IGNORECASE)
 BEARER = re.compile(r"((?:bearer|basic|token)\s+)[A-Za-z0-9._~+/=-]{8,}", re.IGNORECASE)
 

@@ -65,7 +65,7 @@ def _install_probes():
 
     def probed_prepare(self, *args, **kwargs):
         out = prepare(self, *args, **kwargs)
-        results = out if isinstance(out, tuple) else (out,)
+        results = out if isinstance(out, (tuple, list)) and len(args) > 1 else (out,)
         for arg, result in zip(args, results):
             if isinstance(arg, torch.nn.Module) and _seen["model"] is None:
                 _seen["model"] = result
@@ -75,7 +75,8 @@ def _install_probes():
                 _seen["train_dataset"] = arg.dataset  # recipes prepare the training loader first
             elif isinstance(arg, torch.optim.lr_scheduler.LRScheduler) and _seen["optimizer"] is None:
                 _seen["optimizer"] = arg.optimizer  # train.py's TP route prepares the schedule only
-        if os.environ.get("ACCELERATE_RECIPES_PROBE_DDP_BUCKETS") == "1" and hasattr(_seen["model"], "register_comm_hook"):
+        buckets = os.environ.get("ACCELERATE_RECIPES_PROBE_DDP_BUCKETS") == "1"
+        if buckets and hasattr(_seen["model"], "register_comm_hook"):
             _count_ddp_buckets(_seen["model"])
         return out
 
@@ -186,7 +187,8 @@ def _final_facts(accelerator, facts) -> dict:
     out["tied_embeddings"] = output is not None and output.weight is unwrapped.get_input_embeddings().weight
     if optimizer is not None:
         out["optimizer_groups"] = facts.optimizer_facts(optimizer)
-    if any("tp" in (getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ()) for p in model.parameters()):
+    meshes = [getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or () for p in model.parameters()]
+    if any("tp" in names for names in meshes):
         out["tensor_parallel_parameters"] = facts.parameter_layout(model)
         out["tensor_parallel_replica_max_difference"] = facts.replica_max_difference(model, accelerator)
     was_training = unwrapped.training

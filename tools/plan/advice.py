@@ -197,7 +197,8 @@ def advice(model, req: Request, model_args: str) -> list[str]:
     if not (ac_works or micro or req.activation_checkpointing):  # neither lever alone: both together
         both = dataclasses.replace(req, activation_checkpointing=True)
         if (micro := largest_micro(both)):
-            report(f"activation checkpointing + micro_batch_size {micro}", dataclasses.replace(both, micro_batch_size=micro))
+            report(f"activation checkpointing + micro_batch_size {micro}",
+                   dataclasses.replace(both, micro_batch_size=micro))
         else:
             report("activation checkpointing + micro_batch_size 1", dataclasses.replace(both, micro_batch_size=1))
     return lines

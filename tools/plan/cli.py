@@ -122,7 +122,8 @@ def render(model, req: Request, rows: list[dict], model_args: str) -> str:
                    "UNKNOWN; 'fits' below judges model states alone and will be optimistic.")
     out.append("")
     out.append("Per GPU, GB (1 GB = 1e9 bytes). rest = between steps. peak = the largest of: forward/backward "
-               "(= params + grads + optim + buffers + activ + logits), inside optimizer.step() (*), initialisation (^).")
+               "(= params + grads + optim + buffers + activ + logits), inside optimizer.step() (*), "
+               "initialisation (^).")
     out.append("  params: parameters + those in flight (all-gathered / fetched) + autocast's weight copies; grads: "
                "gradients + backward buffers;")
     out.append("  activ: what the blocks keep for backward + one block's backward transient (+ the recomputed block "

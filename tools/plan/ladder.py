@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 
 GB = 1e9
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "accelerate_configs")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIG_DIR = os.path.join(ROOT, "accelerate_configs")
 PROBE_TOKENS = 256  # tokens per block probe (batch 1); fewer when seq_len is shorter
 CKPT_PROBE_TOKENS = 32  # a checkpointed block keeps only its input: a small probe suffices
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -109,7 +110,7 @@ def load_config(preset: str | None = None, model_name_or_path: str | None = None
         try:
             return AutoConfig.from_pretrained(model_name_or_path)
         except (OSError, ValueError, KeyError) as err:
-            raise PlanError(f"cannot read {model_name_or_path}/config.json: {str(err).splitlines()[0]}")
+            raise PlanError(f"cannot read {model_name_or_path}/config.json: {str(err).splitlines()[0]}") from None
     if preset not in PRESET_NAMES:
         raise PlanError(f"unknown preset {preset!r}; choose one of {', '.join(PRESET_NAMES)}")
     return model_config(RecipeConfig(preset=preset), vocab_size=259)
@@ -127,7 +128,7 @@ def model_shape(preset: str | None = None, model_name_or_path: str | None = None
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     except (ValueError, KeyError) as err:
-        raise PlanError(f"cannot build a causal LM from that config: {str(err).splitlines()[0]}")
+        raise PlanError(f"cannot build a causal LM from that config: {str(err).splitlines()[0]}") from None
     block_names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in block_names]
     if not blocks:
@@ -166,6 +167,6 @@ def model_shape(preset: str | None = None, model_name_or_path: str | None = None
             preset=preset if model_name_or_path is None else None,
         )
     except AttributeError as err:  # the probe needs a Llama-like decoder's fields
-        raise PlanError(f"{model_name_or_path}: not a Llama-like decoder config ({err})")
+        raise PlanError(f"{model_name_or_path}: not a Llama-like decoder config ({err})") from None
 
 

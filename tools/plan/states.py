@@ -263,7 +263,8 @@ def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precis
             f"{SRC_ADAM_LAZY} (states on the shard's device)", off)
         add_build()
         add("fp32 gradient shards", "grads", "step", 4 * P / W,
-            f"{SRC_FSDP}/_fsdp_collectives.py:686-710 (views of the fp32 reduce-scatter output; offload: copied to CPU)",
+            f"{SRC_FSDP}/_fsdp_collectives.py:686-710 (views of the fp32 reduce-scatter output; offload: copied to "
+            "CPU)",
             off)
         if shape is None:
             unknown += ["unsharded parameters in flight", "unsharded gradients + reduce-scatter input",

@@ -1,0 +1,130 @@
+"""The repository's shape, in-process: the core a user copies with a recipe, the options each recipe
+takes, the README as an index. (The copied recipe really runs: test_distributed.py's copy test.)"""
+
+import ast
+import dataclasses
+import re
+
+import pytest
+
+from common.config import ConfigError, parse
+from conftest import ROOT, SYNTHETIC, load_recipe
+from train_extras.options import TrainConfig
+
+CORE = ROOT / "common"
+CORE_LINE_BUDGET = 900
+RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*.py") if p.name not in ("train.py", "generate.py"))
+
+
+def imports_of(path) -> set[str]:
+    """Top-level names of every module a file imports (`from common import x` gives common.x)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_the_core_fits_the_budget_and_imports_nothing_above_itself():
+    files = sorted(CORE.glob("*.py"))
+    lines = sum(len(f.read_text().splitlines()) for f in files)
+    assert lines <= CORE_LINE_BUDGET, f"common/ is {lines} lines"
+    modules = {f"common.{f.stem}" for f in files if f.stem != "__init__"}
+    graph = {}
+    for f in files:
+        imported = imports_of(f)
+        assert not {n for n in imported if n.split(".")[0] in ("train_extras", "tools", "tests", "recipes")}, f
+        graph[f"common.{f.stem}"] = {n for n in imported if n in modules}
+
+    def visit(module, path):  # depth-first: a module met again on its own path is a cycle
+        assert module not in path, f"import cycle: {' -> '.join(path + [module])}"
+        for child in graph.get(module, ()):
+            visit(child, path + [module])
+
+    for module in graph:
+        visit(module, [])
+
+
+def test_the_baseline_needs_only_the_core():
+    packages = {name.split(".")[0] for name in imports_of(ROOT / "recipes" / "bf16_baseline.py")}
+    assert packages & {"train_extras", "tools"} == set() and "common" in packages
+
+
+def attributes_read(paths) -> set[str]:
+    return {node.attr for path in paths for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Attribute)}
+
+
+# A valid value for every option of train.py whose default does not make a command-line value.
+SAMPLE_VALUES = {"config": None, "data_files": SYNTHETIC, "report_to": "tensorboard", "resume_from_checkpoint": "auto",
+                 "eval_fraction": "0.5", "model_name_or_path": "some/model", "tokenizer_name_or_path": "some/tokenizer",
+                 "dataset_name": "some/dataset", "dataset_config": "default", "run_name": "a-run"}
+
+
+def option_argv(option: dataclasses.Field, tmp_path) -> list[str]:
+    if option.name == "config":
+        (tmp_path / "empty.yaml").write_text("")
+        return ["--config", str(tmp_path / "empty.yaml")]
+    value = SAMPLE_VALUES.get(option.name, option.default)
+    if isinstance(value, bool):
+        value = "true" if value else "false"
+    return [f"--{option.name}", str(value)]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_option_of_train_py_is_used_by_the_recipe_or_refused_with_its_name(recipe, tmp_path):
+    """Never silence: an option a recipe accepts is one its code (or the core's) reads; any other is
+    an unknown-option error that names the recipe."""
+    module = load_recipe(recipe[:-3])
+    read = attributes_read([ROOT / "recipes" / recipe, *CORE.glob("*.py")])
+    accepted, refused = [], []
+    for option in dataclasses.fields(TrainConfig):
+        argv = option_argv(option, tmp_path)
+        try:
+            cfg = parse(module.Options, argv, recipe=recipe)
+        except ConfigError as err:
+            assert f"unknown option(s) for {recipe}: --{option.name}" in str(err), (option.name, str(err))
+            refused.append(option.name)
+            continue
+        assert option.name == "config" or option.name in read, f"{recipe} accepts --{option.name} but never reads it"
+        assert getattr(cfg, option.name) is not None or option.name == "config"
+        accepted.append(option.name)
+    help_text = "\n".join(f.name for f in dataclasses.fields(module.Options))
+    assert set(accepted) == {f.name for f in dataclasses.fields(module.Options)}, help_text
+    assert {"save_every", "resume_from_checkpoint", "report_to", "sample_length"} <= set(refused)
+
+
+def test_help_lists_only_the_recipes_options(capsys):
+    module = load_recipe("bf16_baseline")
+    with pytest.raises(SystemExit):
+        parse(module.Options, ["--help"], recipe="bf16_baseline.py")
+    out = capsys.readouterr().out
+    assert "--lr" in out and "--seq_len" in out
+    assert "--save_every" not in out and "--gradient_accumulation_steps" not in out and "--report_to" not in out
+
+
+def test_readme_is_an_index_of_docs():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.encode()) <= 15_000
+    commands = re.findall(r"```(?:bash|sh)?\n(.*?)```", text, re.S)
+    assert "accelerate launch recipes/train.py" in commands[0] and "pytest tests" in commands[0] + commands[1]
+    for doc in text.split("](")[1:]:
+        target = doc.split(")")[0].split("#")[0]
+        if target and not target.startswith("http"):
+            assert (ROOT / target).exists(), target
+    assert len(re.findall(r"\]\(docs/\w+\.md", text)) >= 6
+
+
+def test_no_file_cites_something_outside_the_repository():
+    text_files = [p for p in ROOT.rglob("*") if p.is_file() and p.suffix in (".py", ".md", ".yaml", ".sh", ".toml", "")
+                  and ".git" not in p.parts and "results" not in p.parts and "egg-info" not in str(p)]
+    for path in text_files:
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue
+        for outside in ("FACTS" + ".md", "../" + "shared/"):  # (spelled apart: this file must not match itself)
+            assert outside not in text, (path, outside)
