@@ -151,7 +151,17 @@ def launch_command(recipe, config, precision, world, args, output_dir, extra_lau
     return launcher + [str(ROOT / "recipes" / recipe)] + options
 
 
-def row_from_summary(summary: dict, args, gpu_name: str) -> dict:
+def peak_memory(summary: dict, probes: Path) -> list[dict]:
+    """Per rank: train.py records its peak memory; for the other recipes the tests' probes do
+    (tests/probes/sitecustomize.py, on the workers' PYTHONPATH here)."""
+    if "peak_memory_per_rank" in summary:
+        return summary["peak_memory_per_rank"]
+    finals = [json.loads(line)["final"] for f in sorted(probes.glob("rank*.jsonl"))
+              for line in f.read_text().splitlines() if "final" in json.loads(line)]
+    return [final["peak_memory"] for final in finals]
+
+
+def row_from_summary(summary: dict, args, gpu_name: str, memory_per_rank: list[dict]) -> dict:
     from common.config import RecipeConfig
     from train_extras.metrics import peak_tflops
     from common.model import model_config
@@ -165,7 +175,7 @@ def row_from_summary(summary: dict, args, gpu_name: str) -> dict:
     flops = flops_per_token(model_config(RecipeConfig(preset=args.preset), 259), args.seq_len)
     peak = peak_tflops(gpu_name, setup["mixed_precision"])
     mfu = tokens_per_s * flops / (world * peak * 1e12) if peak else None
-    memory = max((r.get("cuda_max_allocated_bytes", r["cpu_max_rss_bytes"]) for r in summary["peak_memory_per_rank"]))
+    memory = max(r.get("cuda_max_allocated_bytes", r["cpu_max_rss_bytes"]) for r in memory_per_rank)
     return {"world": world, "distributed_type": setup["distributed_type"], "tokens/s": round(tokens_per_s),
             "MFU": None if mfu is None else round(mfu, 4), "peak mem GiB": round(memory / 2**30, 2),
             "final loss": round(summary["losses"][-1]["loss"], 4)}
@@ -220,10 +230,11 @@ def main(argv=None) -> int:
             timeout = min(args.run_timeout, max(10.0, args.budget_seconds - elapsed))
             t0 = time.monotonic()
             try:
+                paths = [str(ROOT / "tests" / "probes"), str(ROOT), os.environ.get("PYTHONPATH")]
                 proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                                       env={**os.environ, "TOKENIZERS_PARALLELISM": "false",
-                                           "PYTHONPATH": os.pathsep.join(
-                                               filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+                                           "PYTHONPATH": os.pathsep.join(filter(None, paths)),
+                                           "ACCELERATE_RECIPES_PROBE_DIR": f"{run_dir}.probe"})
                 output, code = proc.stdout + proc.stderr, proc.returncode
             except subprocess.TimeoutExpired as err:
                 output, code = f"{err.stdout or ''}{err.stderr or ''}", None
@@ -233,7 +244,9 @@ def main(argv=None) -> int:
                 (args.out / "logs" / f"{name}.log").write_text(" ".join(cmd) + "\n\n" + str(output)[-20000:])
             summary_file = run_dir / "run_summary.json"
             if code == 0 and summary_file.exists():
-                row.update(row_from_summary(json.loads(summary_file.read_text()), args, env["gpu"]))
+                summary = json.loads(summary_file.read_text())
+                memory = peak_memory(summary, Path(f"{run_dir}.probe"))
+                row.update(row_from_summary(summary, args, env["gpu"], memory))
                 row["status"] = "ok"
             else:
                 failures += 1

@@ -44,7 +44,9 @@ def strategy_facts(model, optimizer) -> dict:
         return any(cls.__name__ in names for cls in type(module).__mro__)
 
     inner = getattr(model, "module", model)  # DDP and DeepSpeed wrap the model
-    facts = {"activation_checkpointing": bool(getattr(inner, "is_gradient_checkpointing", False)) or any(
+    new_name = hasattr(inner, "is_activation_checkpointing")  # transformers 5.2x renamed it
+    checkpointing = getattr(inner, "is_activation_checkpointing" if new_name else "is_gradient_checkpointing", False)
+    facts = {"activation_checkpointing": bool(checkpointing) or any(
         is_a(m, {"CheckpointWrapper"}) for m in model.modules())}
     if hasattr(model, "zero_optimization_stage"):  # a DeepSpeed engine
         return {"engine": "deepspeed", "zero_stage": model.zero_optimization_stage(),

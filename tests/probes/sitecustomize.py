@@ -8,7 +8,7 @@ With ACCELERATE_RECIPES_PROBE_DIR set, each rank appends JSON lines to <dir>/ran
   {"memory": {...}}          memory in use before the model is built and around the second step
   {"ddp_buckets": [...]}     DDP gradient buckets all-reduced per micro-step of the first optimizer
                              step (ACCELERATE_RECIPES_PROBE_DDP_BUCKETS=1)
-  {"final": {...}}           at end_training: what the strategy built, parameter sharding, optimizer
+  {"final": {...}}           at end_training: peak memory, what the strategy built, parameter sharding, optimizer
                              groups, the model's class, tied embeddings, tensor-parallel layout and
                              replica drift, and fp32 logits of the trained model on PROBE_INPUT_IDS
 With ACCELERATE_RECIPES_FAULT=<phase>@<step>, the main process stops dead (os._exit, like a kill -9
@@ -45,7 +45,11 @@ def _rank() -> int:
 
 
 def record(key: str, value) -> None:
-    with open(Path(PROBE_DIR) / f"rank{_rank()}.jsonl", "a") as f:
+    """Append one line to this rank's file; the first line of a process starts the file afresh (a
+    resumed run in the same output folder records only itself)."""
+    mode = "a" if _seen.get("recorded") else "w"
+    _seen["recorded"] = True
+    with open(Path(PROBE_DIR) / f"rank{_rank()}.jsonl", mode) as f:
         f.write(json.dumps({key: value}) + "\n")
 
 
@@ -175,8 +179,13 @@ def _final_facts(accelerator, facts) -> dict:
     """Called on every rank (some of these are collectives under sharding)."""
     import torch
 
+    import resource
+
     model, optimizer = _seen["model"], _seen["optimizer"]
-    out = {}
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    out = {"peak_memory": {"cpu_max_rss_bytes": rss}}
+    if accelerator.device.type == "cuda":
+        out["peak_memory"]["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(accelerator.device)
     if model is None:  # the pipeline recipe trains stages it never gives to accelerate
         return out
     unwrapped = accelerator.unwrap_model(model, keep_fp32_wrapper=False)  # without the autocast wrapper
@@ -259,7 +268,9 @@ def _install_faults():
     os.replace, os.rename = faulty_replace, faulty_rename
 
 
-if PROBE_DIR:
+# Only in the processes `accelerate launch` starts (it sets ACCELERATE_MIXED_PRECISION for them): the
+# launcher itself trains nothing, and importing transformers there would delay every launch by ~1 s.
+if PROBE_DIR and "ACCELERATE_MIXED_PRECISION" in os.environ:
     _install_probes()
 if FAULT:
     _install_faults()
