@@ -80,9 +80,3 @@ def flops_per_token(config, seq_len: int) -> float:
     """
     dims = dimensions(config)
     return 6 * matmul_params(config) + 12 * dims["layers"] * dims["heads"] * dims["head_dim"] * seq_len
-
-
-def class_name(model: nn.Module) -> str:
-    """The model's own class, also once FSDP2 has swapped it for a FSDP<Class> subclass."""
-    return next(c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))
-
