@@ -106,7 +106,7 @@ def best_cpu_ceilings(bursts: int = 10) -> dict:
     for precision, dtype in (("no", torch.float32), ("bf16", torch.bfloat16)):
         for threads in (2, 1):
             torch.set_num_threads(threads)
-            found[(precision, threads)] = max(measure_matmul_tflops(torch.device("cpu"), dtype, seconds=0.2)
+            found[(precision, threads)] = max(measure_matmul_tflops(torch.device("cpu"), dtype, seconds=0.2)[0]
                                               for _ in range(bursts))
     return found
 

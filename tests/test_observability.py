@@ -165,8 +165,15 @@ def test_measuring_the_cpu_ceiling_leaves_the_global_rng_alone():
     """It runs after set_seed and before the model is built: drawing from the global RNG would
     change every initial weight (it did once: the pinned first-step loss caught it)."""
     before = torch.get_rng_state()
-    assert metrics.measure_matmul_tflops(torch.device("cpu"), torch.float32, size=128, seconds=0.01) > 0
+    assert metrics.measure_matmul_tflops(torch.device("cpu"), torch.float32, size=128, seconds=0.01)[0] > 0
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_the_cpu_ceiling_shrinks_its_matmul_when_one_is_longer_than_a_burst():
+    """fp16 on a CPU without fp16 units ran one 1024 matmul in 2.1 s (the start-up measurement took
+    15 s): the size halves, from the time of one 256 matmul, until one fits in a burst."""
+    tflops, size = metrics.measure_matmul_tflops(torch.device("cpu"), torch.float16, seconds=1e-6, bursts=1)
+    assert size == 128 and tflops > 0
 
 
 def test_compile_gives_the_eager_losses(tmp_path, hf_home, train_run):

@@ -71,17 +71,17 @@ def peak_tflops(device_name: str, precision: str) -> float | None:
 
 
 def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, size: int = 1024, seconds: float = 0.1,
-                          bursts: int = 5) -> float:
-    """Best rate of a size x size matmul in `dtype` (TFLOP/s), best of `bursts` timed bursts of
-    about `seconds` each after a warm-up of twice that: the practical ceiling of this device with
-    this process's threads. (Noise only slows a burst down, so the best one is the estimate; a
-    single short burst at start-up was measured up to 20% low.)"""
+                          bursts: int = 5) -> tuple[float, int]:
+    """Best rate of a size x size matmul in `dtype` (TFLOP/s) and the size used: best of `bursts`
+    timed bursts of about `seconds` each after a warm-up of twice that, the practical ceiling of
+    this device with this process's threads. (Noise only slows a burst down, so the best one is the
+    estimate; a single short burst at start-up was measured up to 20% low.) Where one matmul alone
+    takes longer than a burst, the size halves (down to 128) until it fits: fp16 on a CPU without
+    fp16 units ran a 1024 one in 2.1 s, and the measurement took 15 s of every start-up (now 0.9 s,
+    at 512); the size is chosen from the time of one 256 matmul."""
     rng = torch.Generator(device=device).manual_seed(0)  # never the global RNG: it seeds the model's init
-    a = torch.randn(size, size, device=device, dtype=dtype, generator=rng)
-    b = torch.randn(size, size, device=device, dtype=dtype, generator=rng)
-    flops = 2 * size**3
 
-    def burst(reps: int) -> float:
+    def burst(a, b, reps: int) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
@@ -91,11 +91,17 @@ def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, size: int = 
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
 
+    probe = torch.randn(256, 256, device=device, dtype=dtype, generator=rng)
+    probe_seconds = burst(probe, probe, 1)  # (first call: an upper bound) -> the time of one size^3 matmul
+    while size > 128 and probe_seconds * (size / 256) ** 3 > seconds:
+        size //= 2
+    a = torch.randn(size, size, device=device, dtype=dtype, generator=rng)
+    b = torch.randn(size, size, device=device, dtype=dtype, generator=rng)
     warm_until = time.perf_counter() + 2 * seconds  # warm-up: thread pool, kernel choice, clock
     while time.perf_counter() < warm_until:
-        burst(1)
-    reps = max(1, int(seconds / max(burst(1), 1e-6)))
-    return max(flops * reps / burst(reps) for _ in range(bursts)) / 1e12
+        burst(a, b, 1)
+    reps = max(1, int(seconds / max(burst(a, b, 1), 1e-6)))
+    return max(2 * size**3 * reps / burst(a, b, reps) for _ in range(bursts)) / 1e12, size
 
 
 def peak_flops(accelerator) -> dict:
@@ -106,8 +112,8 @@ def peak_flops(accelerator) -> dict:
         return {"tflops": peak_tflops(name, precision), "source": f"datasheet ({name}, {precision})"}
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
     threads = torch.get_num_threads()
-    tflops = measure_matmul_tflops(accelerator.device, dtype)
-    return {"tflops": tflops, "source": f"measured {str(dtype)[6:]} 1024x1024 matmul, {threads} threads"}
+    tflops, size = measure_matmul_tflops(accelerator.device, dtype)
+    return {"tflops": tflops, "source": f"measured {str(dtype)[6:]} {size}x{size} matmul, {threads} threads"}
 
 
 def interval_stats(*, steps: int, seconds: float, tokens_per_step: int, world_size: int, flops_per_token: float,
