@@ -1,7 +1,7 @@
-"""The ZeRO / FSDP ladder: every rung's config launched once with 2 CPU processes on a 19.2M-parameter
-Llama (6 layers x 512, saved as a folder), checked for what really ran, for training, and for its
+"""The ZeRO / FSDP ladder: every rung's config launched once with 2 CPU processes on a 42.9M-parameter
+Llama (6 layers x 768, saved as a folder), checked for what really ran, for training, and for its
 per-rank model-state bytes against the planner (tools/plan/) within 10%. (Until 2026-12-01 this ran
-the `small` preset, 113.7M parameters, at twice the suite time; the planner agreed within 10% on both.)
+the `small` preset, 113.7M parameters, in twice the time; the planner agreed within 10% on both.)
 
 Memory is measured inside train.py (common/metrics.memory_in_use: glibc's count of the heap in use,
 which on CPU holds every tensor, C++ buffers included) at the second step, minus the same count
@@ -32,7 +32,7 @@ LADDER_MODEL = dict(hidden_size=768, num_hidden_layers=6, num_attention_heads=12
 LADDER_ARGS = ["--seq_len", "32", "--micro_batch_size", "2", "--max_steps", "4",
                "--warmup_steps", "1", "--eval_every", "0", "--log_every", "1", "--save_model", "false",
                # the synthetic corpus at lr 3e-3, where 4 steps of this model reliably lower the loss; no
-               # sample at the end (300 tokens of a 114M model, every weight gathered for each token)
+               # sample at the end (under ZeRO-3 every weight is gathered for each generated token)
                "--data_files", corpus_file(8000), "--lr", "3e-3", "--sample_length", "0"]
 # FSDP's activation checkpointing switch, launched once (on the full-shard rung).
 EXTRA_LAUNCH_ARGS = {"fsdp.yaml": ["--fsdp_activation_checkpointing", "true"]}
