@@ -52,6 +52,7 @@ def launch_env(hf_home: Path) -> dict:
         TOKENIZERS_PARALLELISM="false",
         PYTHONUNBUFFERED="1",
         PYTHONPATH=str(PROBES),
+        ACCELERATE_RECIPES_CPUINFO_CACHE=str(hf_home / "cpuinfo.json"),  # see tests/probes/sitecustomize.py
     )
     return env
 

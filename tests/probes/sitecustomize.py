@@ -17,6 +17,11 @@ or a node loss) at that phase of that step's checkpoint save:
   during_metadata  checkpoint.json half written (its temporary file, never renamed)
   before_rename    everything written and synced, not yet renamed to step_<N>
   during_rotation  an old checkpoint moved aside and partly deleted
+With ACCELERATE_RECIPES_CPUINFO_CACHE=<file>, py-cpuinfo's get_cpu_info() is answered from that
+file, which the session's first call writes: DeepSpeed calls it three times per rank while it starts
+(CPU Adam and its op builders), each a ~3.5 s subprocess that times the CPU's clock, which made up a
+third of a 2-rank ZeRO-3 offload launch on 2 cores. The answer is this machine's, so nothing changes
+but the wait.
 The CPU harness (scripts/cpu_harness) is chained when ACCELERATE_RECIPES_CPU_HARNESS=1.
 """
 
@@ -268,6 +273,28 @@ def _install_faults():
     os.replace, os.rename = faulty_replace, faulty_rename
 
 
+def _cache_cpu_info(cache: Path) -> None:
+    try:
+        import cpuinfo  # py-cpuinfo, a DeepSpeed dependency; nothing to cache without it
+    except ImportError:
+        return
+    measure = cpuinfo.get_cpu_info
+
+    def cached_cpu_info():
+        try:
+            return json.loads(cache.read_text())
+        except (OSError, ValueError):  # not written yet (or half written by a concurrent process)
+            info = measure()
+            partial = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+            partial.write_text(json.dumps(info))
+            os.replace(partial, cache)
+            return info
+
+    cpuinfo.get_cpu_info = cached_cpu_info
+
+
+if os.environ.get("ACCELERATE_RECIPES_CPUINFO_CACHE"):
+    _cache_cpu_info(Path(os.environ["ACCELERATE_RECIPES_CPUINFO_CACHE"]))
 # Only in the processes `accelerate launch` starts (it sets ACCELERATE_MIXED_PRECISION for them): the
 # launcher itself trains nothing, and importing transformers there would delay every launch by ~1 s.
 if PROBE_DIR and "ACCELERATE_MIXED_PRECISION" in os.environ:
