@@ -60,6 +60,7 @@ class ModelOptions:
     model_name_or_path: str | None = opt(None, "Local folder or Hub id of a causal LM to start from (+ its tokenizer).")
     tokenizer_name_or_path: str | None = opt(None, "Tokenizer (AutoTokenizer). Default: the model's, else bytes.")
     gradient_checkpointing: bool = opt(False, "Recompute activations in backward: less memory, ~30%% more compute.")
+    attn_implementation: str = opt("sdpa", "Attention kernel (transformers' name): sdpa, eager, flash_attention_2...")
 
     def check(self):
         if self.model_name_or_path is None and self.preset not in PRESET_NAMES:
@@ -70,12 +71,17 @@ class ModelOptions:
 class DataOptions:
     dataset_name: str | None = opt(None, "Hub dataset id (or local dataset folder) for datasets.load_dataset.")
     dataset_config: str | None = opt(None, "Dataset configuration name.")
-    dataset_split: str = opt("train", "Split to train on; a held-out part is cut from it.")
+    dataset_split: str = opt("train", "Split to train on (a held-out part is cut from it unless --eval_split).")
+    eval_split: str | None = opt(None, "The dataset's own held-out split (e.g. validation), instead of a cut of train.")
     data_files: list[str] | None = opt(None, "Local .txt / .json / .jsonl files (one format per run). Default: none "
                                              "given = tiny Shakespeare, shipped in common/corpus/.")
+    eval_data_files: list[str] | None = opt(None, "Local files held out for eval, instead of a cut of --data_files.")
+    txt_documents: Literal["paragraph", "line", "file"] = opt(
+        "paragraph", "How a .txt file splits into documents: at blank lines, at every line, or one per file.")
     text_column: str = opt("text", "Column holding the text in JSON/Hub data.")
     eval_fraction: float | None = opt(None, "Fraction held out for eval. Default: tiny Shakespeare's last 10%% "
                                            "(nanoGPT's split); 2%% of the documents (fixed seed) for other sources.")
+    add_bos: bool = opt(True, "Start each document with the tokenizer's BOS, if it has one apart from EOS.")
     seq_len: int = opt(256, "Tokens per training sequence (context length).")
     packing: bool = opt(True, "Pack documents into full blocks; false = one document per row, right-padded, "
                               "labels -100 on padding (the fine-tuning case; longer documents are truncated).")
@@ -84,7 +90,11 @@ class DataOptions:
     def check(self):
         if self.data_files and self.dataset_name:
             raise ConfigError("give either --data_files or --dataset_name, not both")
-        for path in self.data_files or []:
+        if (self.eval_split and not self.dataset_name) or (self.eval_data_files and not self.data_files):
+            raise ConfigError("--eval_split goes with --dataset_name, --eval_data_files with --data_files")
+        if self.eval_fraction is not None and (self.eval_split or self.eval_data_files):
+            raise ConfigError("--eval_fraction cuts the held-out part from train: not with a held-out set of its own")
+        for path in (self.data_files or []) + (self.eval_data_files or []):
             if not os.path.isfile(path):
                 raise ConfigError(f"data file not found: {path}")
             if not _has_text(path):
@@ -187,8 +197,7 @@ def _yaml_to_argv(path: str, known: set[str], recipe: str) -> list[str]:
         line = f" (line {where.line + 1})" if where is not None else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise ConfigError(f"bad YAML in {path}{line}: {problem}") from None
-    if values is None:
-        return []
+    values = {} if values is None else values
     if not isinstance(values, dict):
         raise ConfigError(f"bad YAML in {path}: expected a mapping of option: value, got {type(values).__name__}")
     argv = []
@@ -197,15 +206,9 @@ def _yaml_to_argv(path: str, known: set[str], recipe: str) -> list[str]:
             raise ConfigError(f"unknown option {key!r} for {recipe} in {path} (see {recipe} --help)")
         if key == "config":
             raise ConfigError(f"{path}: a config file cannot name another config file")
-        if value is None:
-            continue
-        argv.append(f"--{key}")
-        if isinstance(value, list):
-            argv.extend(str(v) for v in value)
-        elif isinstance(value, bool):
-            argv.append("true" if value else "false")
-        else:
-            argv.append(str(value))
+        if value is not None:  # a list gives one token per item; booleans as the CLI spells them
+            items = value if isinstance(value, list) else [value]
+            argv += [f"--{key}", *(("true" if v else "false") if isinstance(v, bool) else str(v) for v in items)]
     return argv
 
 

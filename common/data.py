@@ -1,15 +1,10 @@
-"""Data: tokenised with `datasets.map` (cached on disk), packed into blocks of seq_len + 1 tokens,
-served by a loader whose order depends on (seed, epoch) only. Sources: --data_files (.txt: one
-document per blank-line-separated paragraph; .json/.jsonl: --text_column), --dataset_name (Hub or
-local dataset folder), else tiny Shakespeare, shipped in common/corpus/ (no download).
-
-Held out: the last 10% of tiny Shakespeare's characters (nanoGPT's split, so losses compare), or
-a fixed random 2% of the documents of any other source (--eval_fraction changes either).
-
-Packing: every document is tokenised without special tokens and followed by EOS; the documents
-are concatenated into one token stream on disk (a uint16/uint32 memmap, nanoGPT-style), and block i
-is stream[i*(T+1) : (i+1)*(T+1)]: inputs are its first T tokens, labels its last T. Nothing is
-duplicated or padded; only the final partial block (< T+1 tokens) is dropped.
+"""Data (docs/data.md): --data_files (.txt split by --txt_documents; .json/.jsonl), --dataset_name
+(Hub or local folder), else tiny Shakespeare from common/corpus/. Held out: --eval_split /
+--eval_data_files, else Shakespeare's last 10% (nanoGPT's split) or a fixed 2% of the documents.
+Each document is tokenised as [BOS] + text + EOS (cached by `datasets`) and all are concatenated
+into one token stream on disk (a uint16/uint32 memmap); block i is stream[i*(T+1) : (i+1)*(T+1)]:
+inputs its first T tokens, labels its last T; nothing padded, only the last partial block dropped.
+The loader's order depends on (seed, epoch) only.
 """
 
 from __future__ import annotations
@@ -29,11 +24,6 @@ SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2d
 SHAKESPEARE_EVAL_FRACTION = 0.1  # nanoGPT's shakespeare_char: train on the first 90%, validate on the rest
 DEFAULT_EVAL_FRACTION = 0.02  # other sources: documents held out at random (fixed seed)
 SPLIT_SEED = 0  # the held-out documents are fixed, so eval numbers compare across runs
-
-
-def _cache_root() -> Path:
-    import datasets
-    return Path(datasets.config.HF_DATASETS_CACHE) / "accelerate_recipes"
 
 
 def shakespeare_split(eval_fraction: float | None = None) -> tuple[str, str]:
@@ -69,49 +59,55 @@ def build_tokenizer(cfg):
     return tokenizer
 
 
-def load_documents(cfg):
-    """The raw text as a `datasets.Dataset` with one column, 'text'. Local files load at once:
-    datasets' progress bars are hidden then (they would bury a one-line error); Hub downloads keep them."""
+def load_documents(cfg, held_out: bool = False):
+    """The raw text as a `datasets.Dataset` with one column, 'text' (held_out: --eval_split or
+    --eval_data_files). Local files load at once: datasets' progress bars are hidden then (they
+    would bury a one-line error); Hub downloads keep them."""
     import datasets
 
     was_disabled = datasets.utils.are_progress_bars_disabled()
     if cfg.dataset_name is None:
         datasets.utils.disable_progress_bars()
     try:
-        return _load_documents(cfg)
+        return _load_documents(cfg, *((cfg.eval_data_files, cfg.eval_split) if held_out
+                                      else (cfg.data_files, cfg.dataset_split)))
     finally:
         if not was_disabled:
             datasets.utils.enable_progress_bars()
 
 
-def _load_documents(cfg):
+def file_builder(files: list[str], txt_documents: str) -> tuple[str, dict]:
+    """datasets' builder for local files, and its options (its text builder calls a file a "document")."""
+    suffixes = {Path(f).suffix.lower() for f in files}
+    if suffixes <= {".txt", ".text"}:
+        return "text", {"sample_by": {"file": "document"}.get(txt_documents, txt_documents)}
+    if suffixes <= {".json", ".jsonl"}:
+        return "json", {}
+    raise ConfigError(f"data files must all be .txt or all .json/.jsonl, got {sorted(suffixes)}")
+
+
+def _load_documents(cfg, files, split):
     import datasets
 
-    if cfg.data_files:
-        suffixes = {Path(f).suffix.lower() for f in cfg.data_files}
-        if suffixes <= {".txt", ".text"}:
-            builder, kwargs = "text", {"sample_by": "paragraph"}
-        elif suffixes <= {".json", ".jsonl"}:
-            builder, kwargs = "json", {}
-        else:
-            raise ConfigError(f"--data_files must all be .txt or all .json/.jsonl, got {sorted(suffixes)}")
+    if files:
+        builder, kwargs = file_builder(files, cfg.txt_documents)
         try:
-            ds = datasets.load_dataset(builder, data_files=cfg.data_files, split="train", **kwargs)
+            ds = datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
         except datasets.exceptions.DatasetGenerationError as err:
-            raise ConfigError(f"cannot read {cfg.data_files}: {err.__cause__ or err}") from None
-        source = ", ".join(cfg.data_files)
+            raise ConfigError(f"cannot read {files}: {err.__cause__ or err}") from None
+        source = ", ".join(files)
     elif cfg.dataset_name:
         try:
-            ds = datasets.load_dataset(cfg.dataset_name, cfg.dataset_config, split=cfg.dataset_split)
-        except Exception as err:  # offline, unknown name, bad config: all user-facing
+            ds = datasets.load_dataset(cfg.dataset_name, cfg.dataset_config, split=split)
+        except Exception as err:  # offline, unknown name or split, bad config: all user-facing
             raise ConfigError(f"cannot load dataset {cfg.dataset_name}: {str(err).splitlines()[0]}") from None
-        source = cfg.dataset_name
+        source = f"{cfg.dataset_name} ({split})"
     else:
         return datasets.Dataset.from_dict({"text": list(shakespeare_split(cfg.eval_fraction))})
 
-    if len(ds) > 0 and cfg.text_column not in ds.column_names:
-        raise ConfigError(f"{source}: no column {cfg.text_column!r} (columns: {ds.column_names}); set --text_column")
     if len(ds) > 0:
+        if cfg.text_column not in ds.column_names:
+            raise ConfigError(f"{source}: no column {cfg.text_column!r} (has {ds.column_names}); set --text_column")
         ds = ds.select_columns([cfg.text_column])
         if cfg.text_column != "text":
             ds = ds.rename_column(cfg.text_column, "text")
@@ -146,25 +142,34 @@ def _token_stream(tokenized, path: Path, dtype) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r")
 
 
-def tokenize_documents(docs, tokenizer, name: str):
-    """Token ids of every document, each followed by EOS (cached by `datasets`)."""
-    eos = tokenizer.eos_token_id
+def document_bounds(tokenizer, add_bos: bool = True) -> tuple[list[int], list[int]]:
+    """The ids before and after each document: [BOS] (when the tokenizer has one that is not EOS:
+    GPT-2's and GPT-NeoX's are EOS itself) and [EOS]."""
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    return ([bos] if add_bos and bos is not None and bos != eos else []), [eos]
+
+
+def tokenize_documents(docs, tokenizer, name: str, cfg):
+    """Token ids of every document, between its bounds (cached by `datasets`)."""
+    head, tail = document_bounds(tokenizer, cfg.add_bos)
 
     def tokenize(batch):
-        ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
-        ids = [x + [eos] for x in ids]
+        ids = [head + x + tail for x in tokenizer(batch["text"], add_special_tokens=False)["input_ids"]]
         return {"input_ids": ids, "length": [len(x) for x in ids]}
 
-    return docs.map(tokenize, batched=True, remove_columns=docs.column_names, desc=f"tokenise {name}")
+    return docs.map(tokenize, batched=True, remove_columns=docs.column_names, desc=f"tokenise {name}",
+                    num_proc=getattr(cfg, "dataset_num_proc", None))  # train.py's option
 
 
-def tokenize_and_stream(docs, tokenizer, name: str) -> np.ndarray:
-    """Tokenise documents and return their EOS-separated token stream (written once to disk)."""
-    tokenized = tokenize_documents(docs, tokenizer, name)
+def tokenize_and_stream(docs, tokenizer, name: str, cfg) -> np.ndarray:
+    """Tokenise documents and return their token stream (written once to disk)."""
+    import datasets
+
+    tokenized = tokenize_documents(docs, tokenizer, name, cfg)
     dtype = np.uint16 if len(tokenizer) <= 65536 else np.uint32  # 2 bytes per token when ids fit
     # The map's fingerprint identifies (source data, tokenizer, function): reuse the stream file.
-    path = _cache_root() / "streams" / f"{tokenized._fingerprint}.{np.dtype(dtype).name}"
-    return _token_stream(tokenized, path, dtype)
+    cache = Path(datasets.config.HF_DATASETS_CACHE) / "accelerate_recipes" / "streams"
+    return _token_stream(tokenized, cache / f"{tokenized._fingerprint}.{np.dtype(dtype).name}", dtype)
 
 
 class PackedBlocks(Dataset):
@@ -205,19 +210,21 @@ def build_datasets(cfg, tokenizer):
     """Train and held-out datasets (PackedBlocks, or PaddedDocuments with --packing false); the
     held-out part is a fixed set of whole documents."""
     docs = load_documents(cfg)
-    if len(docs) < 2:
-        raise ConfigError("need at least 2 documents to hold some out for eval")
     if not cfg.data_files and not cfg.dataset_name:  # Shakespeare: its first 90% and the held-out rest
         split = {"train": docs.select([0]), "test": docs.select([1])}
+    elif cfg.eval_split or cfg.eval_data_files:
+        split = {"train": docs, "test": load_documents(cfg, held_out=True)}
+    elif len(docs) < 2:
+        raise ConfigError("need at least 2 documents to hold some out for eval (or give a held-out set)")
     else:
         split = docs.train_test_split(test_size=cfg.eval_fraction or DEFAULT_EVAL_FRACTION, seed=SPLIT_SEED,
                                       shuffle=True)
     if not cfg.packing:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        return tuple(PaddedDocuments(tokenize_documents(split[part], tokenizer, name), cfg.seq_len, pad_id)
+        return tuple(PaddedDocuments(tokenize_documents(split[part], tokenizer, name, cfg), cfg.seq_len, pad_id)
                      for part, name in (("train", "train"), ("test", "eval")))
-    train = PackedBlocks(tokenize_and_stream(split["train"], tokenizer, "train"), cfg.seq_len)
-    held_out = PackedBlocks(tokenize_and_stream(split["test"], tokenizer, "eval"), cfg.seq_len)
+    train = PackedBlocks(tokenize_and_stream(split["train"], tokenizer, "train", cfg), cfg.seq_len)
+    held_out = PackedBlocks(tokenize_and_stream(split["test"], tokenizer, "eval", cfg), cfg.seq_len)
     for name, ds in (("training", train), ("held-out", held_out)):
         if len(ds) == 0:
             raise ConfigError(f"the {name} split has fewer than seq_len+1={cfg.seq_len + 1} tokens")
@@ -225,14 +232,10 @@ def build_datasets(cfg, tokenizer):
 
 
 class EpochShuffleSampler(Sampler[int]):
-    """A permutation that depends on (seed, epoch) alone, never on the global RNG.
-
-    accelerate's `load_state` restores the global RNG to its value at save time, i.e. after the
-    epoch's permutation was drawn; a sampler that draws from it repeats and skips samples after a
-    resume. Seeding from (seed, epoch) makes the order a pure function, so resuming at (epoch,
-    batch) is `set_epoch(epoch)` plus skipping `batch` batches. numpy's PCG64 gives the same
-    permutation on every platform.
-    """
+    """A permutation from (seed, epoch) alone (numpy's PCG64: the same on every platform), never
+    from the global RNG, which accelerate's `load_state` restores to after the epoch's draw (a
+    sampler drawing from it repeats and skips samples after a resume). Resuming at (epoch, batch)
+    is then `set_epoch(epoch)` plus skipping `batch` batches."""
 
     def __init__(self, num_samples: int, seed: int):
         self.num_samples, self.seed, self.epoch = num_samples, seed, 0

@@ -5,16 +5,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from accelerate.utils import DistributedType
 from torch import nn
 
 from common.config import tensor_parallel_size
 
+PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # accelerate's mixed precision -> weights
 
-def export_pretrained(accelerator, model, tokenizer, out_dir: str | Path) -> Path:
-    """Write the folder. Call on every rank: gathering sharded weights is a collective; only the
-    main process writes."""
-    out_dir = Path(out_dir)
+
+def export_pretrained(accelerator, model, tokenizer, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write the folder, its weights in `dtype` (default: the run's precision, so a bf16 run's export
+    is bf16, half the size of fp32). Call on every rank: gathering sharded weights is a collective;
+    only the main process writes."""
+    out_dir, dtype = Path(out_dir), dtype or PRECISION_DTYPES.get(accelerator.mixed_precision, torch.float32)
     if accelerator.distributed_type == DistributedType.FSDP or tensor_parallel_size(accelerator) > 1:
         # FSDP2 with SHARDED_STATE_DICT: accelerator.get_state_dict returns an empty dict on rank 0
         # (docs/toolchain.md#fsdp2-export); under TP it returns DTensors. torch's own API gathers the
@@ -27,19 +31,21 @@ def export_pretrained(accelerator, model, tokenizer, out_dir: str | Path) -> Pat
         # from every rank's partition (needs stage3_gather_16bit_weights_on_model_save).
         state_dict = accelerator.get_state_dict(model)
     unwrapped = accelerator.unwrap_model(model)
-    state_dict = _without_tied_copies(unwrapped, state_dict)
+    state_dict = {k: v.to(dtype) if v.is_floating_point() else v
+                  for k, v in _without_tied_copies(unwrapped, state_dict).items()}
     # The tokenizer's special ids, not the architecture's defaults (a preset Llama says eos=2, which
     # is the byte tokenizer's <unk>): `generate` on the exported folder then stops where training did.
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        token_id = getattr(tokenizer, name)
-        if token_id is not None:
-            setattr(unwrapped.config, name, token_id)
-            if unwrapped.generation_config is not None:
-                setattr(unwrapped.generation_config, name, token_id)
+        for config in (unwrapped.config, unwrapped.generation_config):
+            if getattr(tokenizer, name) is not None and config is not None:
+                setattr(config, name, getattr(tokenizer, name))
     unwrapped.save_pretrained(out_dir, state_dict=state_dict, is_main_process=accelerator.is_main_process,
                               save_function=accelerator.save)
     if accelerator.is_main_process:
         tokenizer.save_pretrained(out_dir)
+        # save_pretrained wrote the live weights' dtype (fp32 masters); from_pretrained must see the files'
+        unwrapped.config.dtype = dtype  # (the model is done: nothing reads its config after the export)
+        unwrapped.config.save_pretrained(out_dir)
     accelerator.wait_for_everyone()
     return out_dir
 

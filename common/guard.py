@@ -1,11 +1,7 @@
-"""The start-up guard: stop a run that silently became something else.
-
-accelerate decides the distributed type inside each worker from the hardware it finds, and on a
-machine without the GPUs a config assumes it falls back without an error (docs/toolchain.md#fallbacks):
-a MULTI_GPU or FSDP config starts N independent single processes; with ACCELERATE_USE_CPU an FSDP
-config becomes plain DDP; fp16 on CPU runs in fp32 without a GradScaler. `accelerate launch` passes
-what the config asked for to every worker in environment variables, so each recipe compares the
-two right after building its Accelerator and stops on any difference.
+"""The start-up guard: stop a run that silently became something else. Without the GPUs a config
+assumes, accelerate falls back without an error (docs/toolchain.md#fallbacks: N independent
+processes, FSDP turned into DDP, fp16 in fp32). `accelerate launch` passes what the config asked
+for to every worker in environment variables; each recipe compares, right after its Accelerator.
 """
 
 from __future__ import annotations

@@ -6,8 +6,7 @@ byte-level one), so parameter counts below are with that vocabulary:
 
     preset  layers  hidden  heads/kv  mlp     positions  params (byte vocab)
     debug   2       64      4/2       176     256        ~0.1M   (tests)
-    mini    4       128     4/4       344     1024       ~0.86M  (default: the most Shakespeare a 2-core CPU
-                                                                  learns in 3 minutes; nanoGPT's CPU shape)
+    mini    4       128     4/4       344     1024       ~0.86M  (default: nanoGPT's CPU shape, 3 min on 2 cores)
     tiny    4       256     4/4       704     1024       ~3.3M   (CPU-sized)
     small   12      768     12/12     3072    2048       ~114M   (GPT-2-small-like, ~125M with a 8k vocab)
     1b      16      2048    32/8      8192    4096       ~0.97B  (Llama-3.2-1B shape)
@@ -60,20 +59,23 @@ def check_seq_len(cfg) -> None:
         raise ConfigError(f"--seq_len {cfg.seq_len} exceeds the {limit} positions of {name}")
 
 
-def build_model(cfg, vocab_size: int) -> nn.Module:
-    """Random-init preset or pretrained weights, in fp32 (mixed precision autocasts the compute)."""
+def build_model(cfg, vocab_size: int, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Random-init preset or pretrained weights, in fp32 unless told (mixed precision autocasts the
+    compute over fp32 master weights; DeepSpeed keeps its own and trains the module in bf16/fp16)."""
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8:
         # TF32 for fp32 matmuls on Ampere and later: several times faster, inputs rounded to a
         # 10-bit mantissa (fp32 accumulation). Under bf16 autocast most matmuls are bf16 anyway.
         torch.set_float32_matmul_precision("high")
-    if cfg.model_name_or_path:
-        model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, attn_implementation="sdpa",
-                                                     dtype=torch.float32)
-        if model.get_input_embeddings().num_embeddings < vocab_size:
-            model.resize_token_embeddings(vocab_size)
-    else:
-        model = AutoModelForCausalLM.from_config(model_config(cfg, vocab_size), attn_implementation="sdpa",
-                                                 dtype=torch.float32)
+    kwargs = {"attn_implementation": cfg.attn_implementation, "dtype": dtype}
+    try:
+        if cfg.model_name_or_path:
+            model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, **kwargs)
+        else:
+            model = AutoModelForCausalLM.from_config(model_config(cfg, vocab_size), **kwargs)
+    except (ValueError, ImportError) as err:  # e.g. an attention kernel this model or machine lacks
+        raise ConfigError(f"cannot build the model: {str(err).splitlines()[0]}") from None
+    if model.get_input_embeddings().num_embeddings < vocab_size:
+        model.resize_token_embeddings(vocab_size)
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing works with FSDP2 and with inputs that need no grad.
         # transformers renamed the method (5.2x deprecates the old name); keep both working.
@@ -87,13 +89,10 @@ def build_model(cfg, vocab_size: int) -> nn.Module:
 
 
 def build_optimizer(model: nn.Module, cfg, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only.
-
-    Decay pulls weights towards zero. That regularises the linear maps (the matrices), but on
-    norm gains it fights the learned scale (1.0 is their neutral value, not 0), biases are offsets
-    with nothing to regularise, and embedding rows of rare tokens get a gradient only when the
-    token appears, so decay would erase them between appearances.
-    """
+    """AdamW with weight decay on matrices only. Decay pulls weights towards zero: that regularises
+    the linear maps, but on norm gains it fights the learned scale (1.0 is neutral, not 0), biases
+    have nothing to regularise, and embedding rows of rare tokens, which get a gradient only when
+    the token appears, would be erased between appearances."""
     embedding_params = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     decay, no_decay = [], []
     for param in model.parameters():
@@ -129,8 +128,6 @@ def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tens
     return nn.functional.cross_entropy(
         logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100, reduction=reduction
     )
-
-
 
 
 def build_scheduler(optimizer, cfg):

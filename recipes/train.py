@@ -53,7 +53,7 @@ from common import config, data, guard
 from common import model as modeling
 from common.export import export_pretrained
 from common.files import write_json
-from train_extras import checkpoint, flops, metrics, parallel, preemption, strategy, tracking
+from train_extras import checkpoint, data_at_scale, flops, metrics, parallel, preemption, strategy, tracking
 from train_extras.options import TrainConfig
 from train_extras.sampling import sample_text
 
@@ -146,14 +146,15 @@ def main(argv=None):
     )
     guard.check_launch(accelerator, "train.py", supports=("single", "ddp", "fsdp", "deepspeed", "tp", "fsdp+tp"))
     strategy.configure_deepspeed(accelerator, cfg)  # DeepSpeed clips in its step: pass --max_grad_norm on
-    if accelerator.is_main_process:
+    if accelerator.is_main_process and not cfg.eval_only:
         # A requeued run has started: if it fails before it trains (say its checkpoint is damaged),
         # the job must not be requeued again and again for the old preemption.
         preemption.clear_marker(cfg.output_dir)
     resume_path = checkpoint.resolve_resume(cfg)
     if resume_path is not None:  # before any heavy work: files, model, strategy, world size, batch
         resume_meta = checkpoint.check_compatible(resume_path, cfg, accelerator)
-    checkpoint.check_output_dir(cfg, resume_meta["step"] if resume_path is not None else 0)
+    if not cfg.eval_only:  # which writes no checkpoint, and its record apart (eval_summary.json)
+        checkpoint.check_output_dir(cfg, resume_meta["step"] if resume_path is not None else 0)
     set_seed(cfg.seed)  # the same seed on every rank: identical initial weights everywhere
 
     tokenizer = data.build_tokenizer(cfg)
@@ -163,11 +164,19 @@ def main(argv=None):
         parallel.check(accelerator, cfg, model_cfg, "train.py")
     flops_per_token = flops.flops_per_token(model_cfg, cfg.seq_len)
 
-    # ---- data: rank 0 tokenises and caches first; the other ranks then read its cache ----
-    with accelerator.main_process_first():
-        train_set, eval_set = data.build_datasets(cfg, tokenizer)
-    train_loader, eval_loader = data.build_loaders(cfg, train_set, eval_set,
-                                                   pin_memory=accelerator.device.type == "cuda")
+    # ---- data: rank 0 tokenises and caches first (the others wait up to --data_timeout), then the
+    # others read its cache; or each rank streams its own part (train_extras/data_at_scale.py) ----
+    if cfg.streaming and tensor_parallel:
+        raise config.ConfigError("--streaming splits the stream over all ranks: not with tensor parallelism")
+    with data_at_scale.main_process_first(accelerator, cfg.data_timeout):
+        if cfg.streaming:
+            train_set = data_at_scale.StreamedBlocks(cfg, tokenizer, rank=accelerator.process_index,
+                                                     world_size=accelerator.num_processes)
+            eval_set = data_at_scale.held_out_set(cfg, tokenizer)
+        else:
+            train_set, eval_set = data.build_datasets(cfg, tokenizer)
+    loaders = data_at_scale.streamed_loaders if cfg.streaming else data.build_loaders
+    train_loader, eval_loader = loaders(cfg, train_set, eval_set, pin_memory=accelerator.device.type == "cuda")
     # Printed once the data is known to be good, so bad input stays a one-line error. Logs get
     # copied around: the options are printed (and recorded) with secrets removed, as trackers get them.
     setup = config.setup_facts(cfg, accelerator, options=tracking.redact(dataclasses.asdict(cfg)))
@@ -178,12 +187,12 @@ def main(argv=None):
             "FLOPs/token": f"{flops_per_token:.3e} (6N + 12LHQT)",
             "peak for MFU": f"{peak['tflops']:.3g} TFLOP/s per device, {peak['source']}" if peak["tflops"]
                             else f"unknown ({peak['source']}): no MFU",
-            "data": f"{len(train_set)} train / {len(eval_set)} held-out "
+            "data": f"{'streamed' if cfg.streaming else len(train_set)} train / {len(eval_set)} held-out "
                     + (f"blocks of {cfg.seq_len + 1} tokens" if cfg.packing else "documents, padded"),
         }), flush=True)
 
     # ---- model, optimizer, schedule ----
-    model = modeling.build_model(cfg, len(tokenizer))
+    model = modeling.build_model(cfg, len(tokenizer), dtype=strategy.weights_dtype(accelerator))
     if cfg.compile:
         # accelerate's regional compilation, in place (its FSDP2 and DeepSpeed route, here for every
         # strategy): each repeated block compiled once and reused, the rest apart. In place, the
@@ -196,11 +205,13 @@ def main(argv=None):
         model = parallel.parallelize(model, accelerator)
     optimizer = modeling.build_optimizer(model, cfg, accelerator.device)
     scheduler = modeling.build_scheduler(optimizer, cfg)
+    # A streamed loader stays ours: each rank already reads its own part (accelerate would split it again).
+    loaders = (eval_loader,) if cfg.streaming else (train_loader, eval_loader)
     if tensor_parallel:  # accelerate takes TP models from transformers' tp_plan only: it gets the data and schedule
-        train_loader, eval_loader, scheduler = accelerator.prepare(train_loader, eval_loader, scheduler)
+        *loaders, scheduler = accelerator.prepare(*loaders, scheduler)
     else:
-        model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
-            model, optimizer, train_loader, eval_loader, scheduler)
+        model, optimizer, *loaders, scheduler = accelerator.prepare(model, optimizer, *loaders, scheduler)
+    train_loader, eval_loader = (train_loader, *loaders) if cfg.streaming else loaders
 
     # The run's record (<output_dir>/run_summary.json): what a user keeps of it.
     summary = {
@@ -209,7 +220,7 @@ def main(argv=None):
         "model": {"parameters": num_params, "flops_per_token": flops_per_token,
                   "compiled_regions": metrics.compiled_regions(model)},
         "peak_flops_per_device": peak,
-        "data": {"train_blocks": len(train_set), "eval_blocks": len(eval_set),
+        "data": {"train_blocks": None if cfg.streaming else len(train_set), "eval_blocks": len(eval_set),
                  "eval_bigram_entropy": metrics.bigram_entropy(metrics.token_stream(eval_set))},
         "losses": [], "eval": [], "samples": [], "throughput": [],
     }
@@ -239,28 +250,33 @@ def main(argv=None):
         checkpoint.load(accelerator, resume_path, optimizer, scheduler, model)
         start_step = resume_meta["step"]
         # (epoch, batches into it) in this run's geometry: FSDP2 and replicated checkpoints may
-        # resume on another number of ranks with the same global batch
-        epoch, skip = checkpoint.data_position(resume_meta, cfg, data_ranks, len(train_loader))
+        # resume on another number of ranks with the same global batch. A stream: batches into it.
+        epoch, skip = ((0, resume_meta["micro_batches_done"]) if cfg.streaming
+                       else checkpoint.data_position(resume_meta, cfg, data_ranks, len(train_loader)))
         summary["resumed_from"] = {"path": str(resume_path), "step": start_step,
                                    "world_size": resume_meta["setup"]["world_size"]}
         if accelerator.is_main_process:
             print(f"resumed from {resume_path} at step {start_step}", flush=True)
-    elif cfg.eval_every > 0:
+    if cfg.eval_only:  # the model as it is, on the held-out data: nothing trains, nothing else is written
+        return evaluate_only(accelerator, cfg, summary, modeling.evaluate(model, eval_loader, accelerator,
+                                                                          cfg.eval_batches), start_step)
+    if resume_path is None and cfg.eval_every > 0:
         run_eval(0)
-    micro_batches_done = epoch * len(train_loader) + skip
+    micro_batches_done = skip if cfg.streaming else epoch * len(train_loader) + skip
 
     def save_checkpoint(step):
         return checkpoint.save(accelerator, cfg.output_dir, step, keep=cfg.save_total_limit, model=model,
                                optimizer=optimizer, metadata={
             "micro_batches_done": micro_batches_done,  # per rank; with batches_per_epoch, the data position
-            "batches_per_epoch": len(train_loader),
+            "batches_per_epoch": None if cfg.streaming else len(train_loader),
             "tokens_seen": step * tokens_per_step, "config": dataclasses.asdict(cfg),
             "setup": {k: setup[k] for k in ("distributed_type", "world_size", "data_parallel_size",
                                             "tensor_parallel_size", "mixed_precision")}})
 
     # ---- training loop ----
     model.train()
-    batches = batches_forever(accelerator, train_loader, epoch, skip)
+    batches = (data_at_scale.streamed_batches(accelerator, train_loader, skip) if cfg.streaming
+               else batches_forever(accelerator, train_loader, epoch, skip))
     log = IntervalLog(accelerator, cfg, summary, tokens_per_step, flops_per_token, peak["tflops"], start_step)
     nonfinite, overflow = NonFinitePolicy(accelerator, cfg.max_nonfinite_steps), OverflowSkips(accelerator)
     preempted = None
@@ -345,7 +361,8 @@ def main(argv=None):
         run_sample(cfg.max_steps)
     summary["tokens_seen"] = cfg.max_steps * tokens_per_step  # of the whole run, resumed or not
     if cfg.save_model:
-        summary["export"] = str(export_pretrained(accelerator, model, tokenizer, f"{cfg.output_dir}/model"))
+        dtype = None if cfg.export_dtype == "auto" else getattr(torch, cfg.export_dtype)  # None: the run's precision
+        summary["export"] = str(export_pretrained(accelerator, model, tokenizer, f"{cfg.output_dir}/model", dtype))
     summary["peak_memory_per_rank"] = metrics.peak_memory(accelerator)
     if accelerator.is_main_process:
         rates = [t["tokens_per_s"] for t in summary["throughput"]]
@@ -410,6 +427,19 @@ class IntervalLog:
 
     def close(self):
         self.bar.close()  # an error line after this starts on a line of its own
+
+
+def evaluate_only(accelerator, cfg, summary, result: dict, step: int) -> None:
+    """--eval_only: the held-out loss of --model_name_or_path or of a checkpoint, into
+    <output_dir>/eval_summary.json (a training run's own record there is left alone)."""
+    summary["eval"].append({"step": step, **result})
+    if accelerator.is_main_process:
+        write_json(f"{cfg.output_dir}/eval_summary.json", summary)
+        source = summary.get("resumed_from", {}).get("path") or cfg.model_name_or_path
+        print(f"eval only: {source}: held-out loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f} "
+              f"({result['tokens']:,} tokens; bigram entropy {summary['data']['eval_bigram_entropy']:.4f})", flush=True)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
 
 
 def final_line(cfg, summary, start_step) -> str:

@@ -67,3 +67,20 @@ def corpus_file(num_documents: int = 8000) -> str:
                 f.write(json.dumps({"text": doc}) + "\n")
         os.replace(tmp, path)
     return str(path)
+
+
+def save_bos_tokenizer(folder: Path) -> Path:
+    """A byte-level BPE tokenizer with BOS and EOS of its own (as Llama 3's and Mistral's have),
+    trained with `tokenizers` on 300 toy documents and saved as a Hugging Face tokenizer folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(synthetic_documents(300), trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
+                            pad_token="<pad>").save_pretrained(folder)
+    return folder

@@ -7,14 +7,15 @@ import numpy as np
 import pytest
 
 from common import data
-from common.config import ConfigError
-from synthetic import corpus_file, synthetic_documents
+from common.config import ConfigError, parse
+from synthetic import corpus_file, save_bos_tokenizer, synthetic_documents
 from train_extras.metrics import bigram_entropy
 from train_extras.options import TrainConfig
 
 # sha256 of the first 4096 bytes of the default corpus (8000 documents, generator v1). The
 # generator uses only random.Random(0).random(), so this holds on every Python and platform.
 FIRST_4096_BYTES_SHA256 = "0ba11ed34f1900bcae1f73ece679965350e0febae127edf9071355b3b9553f85"
+SYNTHETIC_FILE = corpus_file(200)
 
 
 @pytest.fixture
@@ -139,3 +140,131 @@ def test_unpacked_documents_are_padded_with_ignored_labels(hf_cache, tmp_path):
         assert row["labels"][:n].tolist() == row["input_ids"][1:n].tolist() + [row["labels"][n - 1].item()]
         assert (row["labels"][n:] == -100).all() and (row["input_ids"][n:] == tokenizer.pad_token_id).all()
     assert len(set(targets)) > 1 and max(targets) == 8  # uneven rows; the 40-byte document is truncated
+
+
+# ---- your data, your pretrained model's tokens (issue: the fine-tuning path) ----
+def test_a_txt_file_splits_into_documents_by_paragraph_line_or_file(hf_cache, tmp_path):
+    txt = tmp_path / "docs.txt"
+    txt.write_text("one line\nanother line\n\nthird line\n")
+    by = {unit: data.load_documents(TrainConfig(data_files=[str(txt)], txt_documents=unit))["text"]
+          for unit in ("paragraph", "line", "file")}
+    assert by["paragraph"] == ["one line\nanother line", "third line\n"]
+    assert by["line"] == ["one line", "another line", "third line"]  # the blank line is no document
+    assert by["file"] == ["one line\nanother line\n\nthird line\n"]
+
+
+@pytest.fixture
+def dataset_with_validation(tmp_path):
+    """A local dataset folder with a train and a validation split (datasets names them by file)."""
+    folder = tmp_path / "with_validation"
+    folder.mkdir()
+    docs = synthetic_documents(60)
+    (folder / "train.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in docs[:53]))
+    (folder / "validation.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in docs[53:]))
+    return folder, docs[53:]
+
+
+def test_eval_split_holds_out_the_datasets_own_validation_split(hf_cache, dataset_with_validation):
+    folder, validation = dataset_with_validation
+    cfg = TrainConfig(dataset_name=str(folder), eval_split="validation", packing=False, seq_len=64)
+    train, held_out = data.build_datasets(cfg, data.build_tokenizer(cfg))
+    assert (len(train), len(held_out)) == (53, 7)  # every train document trains; the held-out count is the split's
+    packed = TrainConfig(dataset_name=str(folder), eval_split="validation", seq_len=64)
+    _, held_out_blocks = data.build_datasets(packed, data.build_tokenizer(packed))
+    tokens = sum(len(d.encode()) + 1 for d in validation)  # bytes + EOS of each validation document
+    assert len(held_out_blocks) == tokens // 65
+    with pytest.raises(ConfigError, match="cannot load dataset .*"):
+        bad = TrainConfig(dataset_name=str(folder), eval_split="no_such_split")
+        data.build_datasets(bad, data.build_tokenizer(bad))
+
+
+def test_eval_data_files_are_the_held_out_set(hf_cache, tmp_path):
+    train_file, eval_file = tmp_path / "train.txt", tmp_path / "eval.txt"
+    docs = synthetic_documents(45)
+    train_file.write_text("".join(docs[:40]))
+    eval_file.write_text("".join(docs[40:]))
+    cfg = TrainConfig(data_files=[str(train_file)], eval_data_files=[str(eval_file)], txt_documents="line",
+                      packing=False, seq_len=64)
+    train, held_out = data.build_datasets(cfg, data.build_tokenizer(cfg))
+    assert (len(train), len(held_out)) == (40, 5)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--eval_split", "validation"], "--eval_split goes with --dataset_name"),
+    (["--data_files", SYNTHETIC_FILE, "--eval_data_files", "/no/such/file.txt"], "data file not found"),
+    (["--dataset_name", "d", "--eval_split", "validation", "--eval_fraction", "0.1"], "--eval_fraction cuts"),
+    (["--warmup_steps", "5", "--warmup_ratio", "0.1"], "not both"),
+    (["--warmup_ratio", "1.5"], "--warmup_ratio must be in"),
+    (["--eval_only"], "--eval_only evaluates --model_name_or_path or --resume_from_checkpoint"),
+    (["--streaming"], "--streaming needs --data_files or --dataset_name"),
+    (["--streaming", "--data_files", SYNTHETIC_FILE], "--streaming needs a held-out set of its own"),
+    (["--dataset_num_proc", "0"], "--dataset_num_proc must be positive"),
+    (["--txt_documents", "sentence"], "invalid choice"),
+])
+def test_fine_tuning_and_data_options_refuse_what_cannot_work(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        parse(TrainConfig, argv, recipe="train.py")
+
+
+def test_warmup_ratio_is_a_fraction_of_the_run():
+    assert parse(TrainConfig, ["--max_steps", "10", "--warmup_ratio", "0.25"], recipe="train.py").warmup_steps == 2
+    assert parse(TrainConfig, ["--max_steps", "300", "--warmup_ratio", "0.05"], recipe="train.py").warmup_steps == 15
+
+
+def stream_of(cfg, tokenizer):
+    train, _ = data.build_datasets(cfg, tokenizer)
+    return np.asarray(train.blocks).reshape(-1)
+
+
+def test_each_document_starts_with_bos_when_the_tokenizer_has_one(hf_cache, tmp_path):
+    from transformers import AutoTokenizer
+
+    corpus = tmp_path / "docs.txt"
+    corpus.write_text("".join(synthetic_documents(30)))  # each ends with a newline
+    tokenizer = AutoTokenizer.from_pretrained(save_bos_tokenizer(tmp_path / "bos_tokenizer"))
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    cfg = TrainConfig(data_files=[str(corpus)], txt_documents="line", eval_data_files=[str(corpus)], seq_len=16)
+    stream = stream_of(cfg, tokenizer).tolist()
+    texts = data.load_documents(cfg)["text"]  # one per line, as read
+    assert len(texts) == 30
+    # BOS, the document's own tokens, EOS: every document, back to back
+    expected = [t for text in texts for t in [bos, *tokenizer(text, add_special_tokens=False).input_ids, eos]]
+    assert stream == expected[: len(stream)] and len(expected) - len(stream) < 17
+    assert stream[0] == bos and all(stream[i + 1] == bos for i, t in enumerate(stream[:-1]) if t == eos)
+    no_bos = TrainConfig(data_files=[str(corpus)], txt_documents="line", eval_data_files=[str(corpus)], seq_len=16,
+                         add_bos=False)
+    assert bos not in stream_of(no_bos, tokenizer).tolist()
+    # the byte tokenizer has no BOS: its documents are the bytes and EOS only, as before
+    byte_cfg = TrainConfig(data_files=[str(corpus)], txt_documents="line", eval_data_files=[str(corpus)], seq_len=16)
+    byte_tokenizer = data.build_tokenizer(byte_cfg)
+    assert byte_tokenizer.bos_token_id is None
+    byte_stream = stream_of(byte_cfg, byte_tokenizer)
+    first = [*byte_tokenizer(texts[0], add_special_tokens=False).input_ids, byte_tokenizer.eos_token_id]
+    assert byte_stream[: len(first)].tolist() == first
+
+
+def test_padded_rows_start_with_bos_too(hf_cache, tmp_path):
+    from transformers import AutoTokenizer
+
+    corpus = tmp_path / "docs.txt"
+    corpus.write_text("\n".join(synthetic_documents(12)))
+    tokenizer = AutoTokenizer.from_pretrained(save_bos_tokenizer(tmp_path / "bos_tokenizer"))
+    cfg = TrainConfig(data_files=[str(corpus)], txt_documents="line", eval_data_files=[str(corpus)], seq_len=32,
+                      packing=False)
+    train, _ = data.build_datasets(cfg, tokenizer)
+    assert all(train[i]["input_ids"][0] == tokenizer.bos_token_id for i in range(len(train)))
+
+
+def test_two_tokenising_processes_give_the_same_stream(tmp_path, monkeypatch):
+    import datasets
+
+    corpus = tmp_path / "docs.txt"
+    corpus.write_text("\n".join(synthetic_documents(400)))
+    hashes = {}
+    for num_proc in (None, 2):  # each in a cache of its own: the stream file is keyed by content, not num_proc
+        monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / f"cache_{num_proc}")
+        cfg = parse(TrainConfig, ["--data_files", str(corpus), "--txt_documents", "line", "--seq_len", "64",
+                                  *(["--dataset_num_proc", str(num_proc)] if num_proc else [])], recipe="train.py")
+        hashes[num_proc] = hashlib.sha256(stream_of(cfg, data.build_tokenizer(cfg)).tobytes()).hexdigest()
+    assert hashes[None] == hashes[2]
+    assert list((tmp_path / "cache_2").rglob("*_00001_of_00002.arrow"))  # two processes really tokenised

@@ -61,7 +61,11 @@ def attributes_read(paths) -> set[str]:
 # A valid value for every option of train.py whose default does not make a command-line value.
 SAMPLE_VALUES = {"config": None, "data_files": SYNTHETIC, "report_to": "tensorboard", "resume_from_checkpoint": "auto",
                  "eval_fraction": "0.5", "model_name_or_path": "some/model", "tokenizer_name_or_path": "some/tokenizer",
-                 "dataset_name": "some/dataset", "dataset_config": "default", "run_name": "a-run"}
+                 "dataset_name": "some/dataset", "dataset_config": "default", "run_name": "a-run",
+                 "eval_split": "validation", "eval_data_files": SYNTHETIC, "warmup_ratio": "0.1",
+                 "dataset_num_proc": "2"}
+# Options that only mean something beside another one, which the recipe then gets too.
+COMPANIONS = {"eval_split": ["--dataset_name", "some/dataset"], "eval_data_files": ["--data_files", SYNTHETIC]}
 
 
 def option_argv(option: dataclasses.Field, tmp_path) -> list[str]:
@@ -71,7 +75,7 @@ def option_argv(option: dataclasses.Field, tmp_path) -> list[str]:
     value = SAMPLE_VALUES.get(option.name, option.default)
     if isinstance(value, bool):
         value = "true" if value else "false"
-    return [f"--{option.name}", str(value)]
+    return COMPANIONS.get(option.name, []) + [f"--{option.name}", str(value)]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

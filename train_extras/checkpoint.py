@@ -123,6 +123,11 @@ def check_compatible(path: str | Path, cfg, accelerator) -> dict:
             f"do not reshard here: resume with {saved_world} processes, or export its weights with "
             f"{saved_world} processes (--resume_from_checkpoint {path} --max_steps {meta.get('step')}) and start "
             "a new run from <output_dir>/model with --model_name_or_path (the optimizer state starts afresh)")
+    streamed = (bool(saved_cfg.get("streaming")), saved_world, saved_cfg.get("micro_batch_size"))
+    if (streamed[0] or cfg.streaming) and streamed != (cfg.streaming, this_world, cfg.micro_batch_size):
+        raise ConfigError(f"{meta_file} was saved by a run with streaming {streamed[0]}, {saved_world} data ranks and "
+                          f"micro-batch {streamed[2]}: a streamed run resumes only as it was (each rank's place in "
+                          "its part of the stream is a count of its own micro-batches)")
     if saved_world != this_world:
         _samples_into_epoch(meta, cfg, this_world)  # raises if the position falls inside a micro-step here
     saved_batch = saved_cfg.get("micro_batch_size", 0) * saved_cfg.get("gradient_accumulation_steps", 0) * saved_world

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
-from common.config import AccumulationOptions, ConfigError, Fp16Options, RecipeConfig
+from common.config import AccumulationOptions, ConfigError, Fp16Options, OptimizerOptions, RecipeConfig
 
 
 @dataclass
@@ -83,6 +84,56 @@ class CompileOptions:
 
 
 @dataclass
+class FineTuneOptions:
+    """Starting from a pretrained model: warmup as a fraction of the run, the export's dtype, eval only."""
+    warmup_ratio: float | None = field(
+        default=None, metadata={"help": "Warmup as a fraction of --max_steps, instead of --warmup_steps."})
+    export_dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
+        default="auto", metadata={"help": "Weights' dtype in the exported folder; auto = the run's precision "
+                                          "(bf16 run: bfloat16, fp16: float16, no mixed precision: float32)."})
+    eval_only: bool = field(
+        default=False, metadata={"help": "Evaluate --model_name_or_path (an exported folder or Hub model) or "
+                                         "--resume_from_checkpoint on the held-out data, print loss and perplexity, "
+                                         "and stop: no training, no export."})
+
+    def check(self):  # runs before OptimizerOptions' (TrainConfig lists this group last): it sets warmup_steps
+        if self.warmup_ratio is not None:
+            if self.warmup_steps != OptimizerOptions.warmup_steps:
+                raise ConfigError("give --warmup_steps or --warmup_ratio, not both")
+            if not 0.0 <= self.warmup_ratio <= 1.0:
+                raise ConfigError(f"--warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
+            self.warmup_steps = round(self.warmup_ratio * max(self.max_steps, 0))
+        if self.eval_only and not (self.model_name_or_path or self.resume_from_checkpoint):
+            raise ConfigError("--eval_only evaluates --model_name_or_path or --resume_from_checkpoint: give one")
+
+
+@dataclass
+class DataAtScaleOptions:
+    dataset_num_proc: int | None = field(
+        default=None, metadata={"help": "Processes that tokenise (datasets.map num_proc); default: one."})
+    data_timeout: int = field(
+        default=7200, metadata={"help": "Seconds the other ranks wait while rank 0 prepares the data (tokenising, "
+                                        "on first use), apart from --collective_timeout."})
+    streaming: bool = field(
+        default=False, metadata={"help": "Stream --data_files / --dataset_name (datasets' streaming, split per rank) "
+                                         "instead of tokenising it all first; needs --eval_split or "
+                                         "--eval_data_files. Resume re-reads the stream up to its position."})
+
+    def check(self):
+        for name in ("dataset_num_proc", "data_timeout"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
+        if self.streaming:
+            if not (self.data_files or self.dataset_name):
+                raise ConfigError("--streaming needs --data_files or --dataset_name (tiny Shakespeare is not streamed)")
+            if not (self.eval_split or self.eval_data_files) and self.eval_every > 0:
+                raise ConfigError("--streaming needs a held-out set of its own: --eval_split or --eval_data_files "
+                                  "(or --eval_every 0)")
+            if not self.packing:
+                raise ConfigError("--streaming packs documents into blocks: not with --packing false")
+
+
+@dataclass
 class TrainConfig(CompileOptions, SampleOptions, TrackingOptions, CheckpointOptions, Fp16Options,
-                  AccumulationOptions, RecipeConfig):
+                  AccumulationOptions, RecipeConfig, DataAtScaleOptions, FineTuneOptions):
     """Every option of train.py."""

@@ -322,12 +322,16 @@ class Pipeline:
         return state
 
     def export(self, tokenizer, out_dir) -> Path:
-        """A Hugging Face folder of the whole trained model, written by rank 0."""
+        """A Hugging Face folder of the whole trained model in the run's precision (as
+        common.export's), written by rank 0."""
+        from common.export import PRECISION_DTYPES
+
         state = self.full_state_dict()
         out_dir = Path(out_dir)
         if self.accelerator.is_main_process:
             self.full_model.load_state_dict(state)  # strict: every tensor comes from some stage
-            self.full_model.save_pretrained(out_dir)
+            dtype = PRECISION_DTYPES.get(self.accelerator.mixed_precision, torch.float32)
+            self.full_model.to(dtype).save_pretrained(out_dir)
             tokenizer.save_pretrained(out_dir)
         self.accelerator.wait_for_everyone()
         return out_dir

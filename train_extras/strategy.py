@@ -136,3 +136,15 @@ def configure_deepspeed(accelerator, cfg) -> None:
             f"the DeepSpeed config clips gradients at {clip} but --max_grad_norm is {cfg.max_grad_norm}; "
             'set gradient_clipping to "auto" in the JSON or pass the same value'
         )
+
+
+def weights_dtype(accelerator) -> torch.dtype:
+    """The dtype to build or load the model in. fp32 wherever mixed precision autocasts over fp32
+    master weights (one process, DDP, FSDP2's MixedPrecisionPolicy); DeepSpeed's bf16/fp16 engine
+    keeps its fp32 masters in the optimizer and casts the module to the compute dtype itself, so
+    loading it in that dtype gives the same weights with half the host memory while it loads."""
+    from common.export import PRECISION_DTYPES
+
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return PRECISION_DTYPES.get(accelerator.mixed_precision, torch.float32)
+    return torch.float32

@@ -22,6 +22,9 @@ file, which the session's first call writes: DeepSpeed calls it three times per 
 (CPU Adam and its op builders), each a ~3.5 s subprocess that times the CPU's clock, which made up a
 third of a 2-rank ZeRO-3 offload launch on 2 cores. The answer is this machine's, so nothing changes
 but the wait.
+With ACCELERATE_RECIPES_SLOW_DATA=<seconds>, rank 0's first datasets.map (its tokenising on first
+use) sleeps that long first: a corpus that takes longer to prepare than a collective may wait.
+With probes on, a streamed training loader's rows are recorded by content: {"stream_rows": [...]}.
 The CPU harness (scripts/cpu_harness) is chained when ACCELERATE_RECIPES_CPU_HARNESS=1.
 """
 
@@ -30,6 +33,8 @@ import os
 import re
 import runpy
 import sys
+import time
+import zlib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -63,7 +68,7 @@ def _install_probes():
     from accelerate import Accelerator
     from accelerate.data_loader import DataLoaderShard
     from accelerate.optimizer import AcceleratedOptimizer
-    from torch.utils.data import DataLoader
+    from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
     from transformers import AutoModelForCausalLM
 
     import facts
@@ -80,8 +85,9 @@ def _install_probes():
                 _seen["model"] = result
             elif isinstance(arg, torch.optim.Optimizer) and _seen["optimizer"] is None:
                 _seen["optimizer"] = result
-            elif isinstance(arg, DataLoader) and _seen["train_dataset"] is None:
-                _seen["train_dataset"] = arg.dataset  # recipes prepare the training loader first
+            elif isinstance(arg, DataLoader) and _seen["train_dataset"] is None and not isinstance(
+                    arg.sampler, SequentialSampler):  # the held-out loader is the one in order
+                _seen["train_dataset"] = arg.dataset
             elif isinstance(arg, torch.optim.lr_scheduler.LRScheduler) and _seen["optimizer"] is None:
                 _seen["optimizer"] = arg.optimizer  # train.py's TP route prepares the schedule only
         buckets = os.environ.get("ACCELERATE_RECIPES_PROBE_DDP_BUCKETS") == "1"
@@ -109,6 +115,19 @@ def _install_probes():
             yield batch
 
     DataLoaderShard.__iter__ = probed_iter
+
+    # a streamed training loader stays a plain DataLoader (train.py does not prepare it): its rows
+    # by content (crc32 of the input ids), read as the rank reads them, skipped ones included
+    plain_iter = DataLoader.__iter__
+
+    def probed_plain_iter(self):
+        batches = plain_iter(self)
+        if not isinstance(self.dataset, IterableDataset) or isinstance(self, DataLoaderShard):
+            return batches
+        return ((record("stream_rows", [zlib.crc32(row.numpy().tobytes()) for row in batch["input_ids"]]), batch)[1]
+                for batch in batches)
+
+    DataLoader.__iter__ = probed_plain_iter
 
     # memory: before the (real, not meta) model is built, then around the second optimizer step
     for name in ("from_config", "from_pretrained"):
@@ -293,6 +312,23 @@ def _cache_cpu_info(cache: Path) -> None:
     cpuinfo.get_cpu_info = cached_cpu_info
 
 
+def _slow_data_preparation(seconds: float) -> None:
+    """Rank 0's first tokenising map sleeps first: a corpus that takes that long to prepare."""
+    import datasets
+
+    map_documents = datasets.Dataset.map
+
+    def slow_map(self, *args, **kwargs):
+        if not _seen.get("slept"):
+            _seen["slept"] = True
+            time.sleep(seconds)
+        return map_documents(self, *args, **kwargs)
+
+    datasets.Dataset.map = slow_map
+
+
+if os.environ.get("ACCELERATE_RECIPES_SLOW_DATA") and _rank() == 0 and "LOCAL_RANK" in os.environ:
+    _slow_data_preparation(float(os.environ["ACCELERATE_RECIPES_SLOW_DATA"]))
 if os.environ.get("ACCELERATE_RECIPES_CPUINFO_CACHE"):
     _cache_cpu_info(Path(os.environ["ACCELERATE_RECIPES_CPUINFO_CACHE"]))
 # Only in the processes `accelerate launch` starts (it sets ACCELERATE_MIXED_PRECISION for them): the

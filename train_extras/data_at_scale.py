@@ -1,0 +1,134 @@
+"""Data at scale for train.py: rank 0 prepares the data under a wait of its own (--data_timeout),
+and --streaming reads a corpus as it trains instead of tokenising it all first.
+
+Waiting for rank 0. While rank 0 tokenises a corpus on first use, the other ranks wait for it. In
+the default process group that wait is a collective bounded by --collective_timeout (meant to catch
+a dead rank within minutes), so a corpus that takes longer to tokenise killed the job before it
+trained. The wait here is a barrier in a gloo group of its own whose timeout is --data_timeout.
+
+Streaming (docs/data.md#streaming). Each rank reads its own part of the source (`datasets`'
+streaming and `split_dataset_by_node`: whole shards per rank when their number divides by the world
+size, else every world_size-th document), shuffled in a buffer (seed + epoch), tokenises it as it
+goes and packs it into blocks of seq_len + 1 tokens as the packed datasets do. A pass over a rank's
+part is an epoch; the next pass reshuffles. Resume is exact: a rank's position is the number of
+micro-batches it consumed, and a resumed run reads its stream again from the start and skips as
+many (it costs the reading and tokenising of everything seen so far, and needs the same data, world
+size and micro-batch, which the checkpoint check enforces).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+
+import numpy as np
+import torch
+from accelerate.utils import send_to_device
+from torch.utils.data import DataLoader, IterableDataset
+
+from common import data
+from common.config import ConfigError, TrainingError, one_line
+
+SHUFFLE_BUFFER = 10_000  # documents; datasets' default is 1000
+
+
+@contextlib.contextmanager
+def main_process_first(accelerator, timeout_s: int):
+    """accelerate's main_process_first, with the ranks' wait bounded by `timeout_s` instead of the
+    default group's collective timeout: rank 0 runs the block first, the others after it."""
+    if accelerator.num_processes == 1:
+        yield
+        return
+    group = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+    def wait(for_whom: str):
+        try:
+            torch.distributed.barrier(group=group)
+        except RuntimeError as err:  # gloo's timeout, or a peer that died meanwhile
+            raise TrainingError(f"rank {accelerator.process_index} waited in vain for {for_whom} (--data_timeout "
+                                f"{timeout_s} s): {one_line(err, 160)}") from None
+
+    if not accelerator.is_main_process:
+        wait("rank 0 to prepare the data")  # rank 0 tokenises and caches; the others then read its cache
+    yield
+    if accelerator.is_main_process:
+        wait("the other ranks")
+    torch.distributed.destroy_process_group(group)
+
+
+def held_out_set(cfg, tokenizer) -> data.PackedBlocks:
+    """The held-out blocks of a streamed run: its own split or files, tokenised up front (they are small)."""
+    return data.PackedBlocks(data.tokenize_and_stream(data.load_documents(cfg, held_out=True), tokenizer, "eval", cfg),
+                             cfg.seq_len)
+
+
+class StreamedBlocks(IterableDataset):
+    """This rank's blocks of seq_len + 1 tokens, packed from its part of the streamed source; the
+    block index is rank + world_size * (blocks this rank made so far in the epoch)."""
+
+    def __init__(self, cfg, tokenizer, rank: int, world_size: int):
+        self.cfg, self.tokenizer, self.rank, self.world_size, self.epoch = cfg, tokenizer, rank, world_size, 0
+        self.head, self.tail = data.document_bounds(tokenizer, cfg.add_bos)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def documents(self):
+        import datasets
+        from datasets.distributed import split_dataset_by_node
+
+        cfg = self.cfg
+        try:
+            if cfg.data_files:
+                builder, kwargs = data.file_builder(cfg.data_files, cfg.txt_documents)
+                ds = datasets.load_dataset(builder, data_files=cfg.data_files, split="train", streaming=True, **kwargs)
+            else:
+                ds = datasets.load_dataset(cfg.dataset_name, cfg.dataset_config, split=cfg.dataset_split,
+                                           streaming=True)
+        except Exception as err:  # an unknown dataset, split or file format: the user's to fix
+            source = cfg.data_files or cfg.dataset_name
+            raise ConfigError(f"cannot stream {source}: {str(err).splitlines()[0]}") from None
+        ds = split_dataset_by_node(ds, rank=self.rank, world_size=self.world_size)
+        ds = ds.shuffle(seed=cfg.seed, buffer_size=SHUFFLE_BUFFER)
+        ds.set_epoch(self.epoch)
+        for row in ds:
+            text = row.get(cfg.text_column)
+            if text is None:
+                raise ConfigError(f"streamed rows have no column {cfg.text_column!r} (columns: {sorted(row)}); "
+                                  "set --text_column")
+            if text.strip():
+                yield text
+
+    def __iter__(self):
+        block_len, pending, made = self.cfg.seq_len + 1, [], 0
+        for text in self.documents():
+            pending.extend(self.head + self.tokenizer(text, add_special_tokens=False)["input_ids"] + self.tail)
+            while len(pending) >= block_len:
+                block = torch.from_numpy(np.asarray(pending[:block_len], dtype=np.int64))
+                del pending[:block_len]
+                yield {"input_ids": block[:-1], "labels": block[1:], "index": self.rank + self.world_size * made}
+                made += 1
+
+
+def streamed_loaders(cfg, train: StreamedBlocks, held_out, pin_memory: bool):
+    train_loader = DataLoader(train, batch_size=cfg.micro_batch_size, drop_last=True, pin_memory=pin_memory)
+    eval_loader = DataLoader(held_out, batch_size=cfg.micro_batch_size, shuffle=False, pin_memory=pin_memory)
+    return train_loader, eval_loader
+
+
+def streamed_batches(accelerator, loader, skip: int = 0):
+    """Micro-batches on the device across passes, after skipping the first `skip` (a resumed run)."""
+    epoch = 0
+    while True:
+        loader.dataset.set_epoch(epoch)
+        empty = True
+        for batch in loader:
+            empty = False
+            if skip:
+                skip -= 1
+                continue
+            yield send_to_device(batch, accelerator.device)
+        if empty:
+            raise ConfigError(f"rank {accelerator.process_index}'s part of the stream holds no full micro-batch of "
+                              f"{loader.batch_size} blocks of {loader.dataset.cfg.seq_len + 1} tokens")
+        epoch += 1
