@@ -31,8 +31,8 @@ def export_pretrained(accelerator, model, tokenizer, out_dir: str | Path, dtype:
         # from every rank's partition (needs stage3_gather_16bit_weights_on_model_save).
         state_dict = accelerator.get_state_dict(model)
     unwrapped = accelerator.unwrap_model(model)
-    state_dict = {k: v.to(dtype) if v.is_floating_point() else v
-                  for k, v in _without_tied_copies(unwrapped, state_dict).items()}
+    state_dict = _without_tied_copies(unwrapped, state_dict)  # (ZeRO-3: None off rank 0, FSDP2: {})
+    state_dict = state_dict and {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     # The tokenizer's special ids, not the architecture's defaults (a preset Llama says eos=2, which
     # is the byte tokenizer's <unk>): `generate` on the exported folder then stops where training did.
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):

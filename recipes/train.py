@@ -153,6 +153,8 @@ def main(argv=None):
     resume_path = checkpoint.resolve_resume(cfg)
     if resume_path is not None:  # before any heavy work: files, model, strategy, world size, batch
         resume_meta = checkpoint.check_compatible(resume_path, cfg, accelerator)
+    elif cfg.eval_only and not cfg.model_name_or_path:  # `auto` found nothing: there is no model to evaluate
+        raise config.ConfigError(f"--eval_only: no complete checkpoint in {cfg.output_dir}/checkpoints to evaluate")
     if not cfg.eval_only:  # which writes no checkpoint, and its record apart (eval_summary.json)
         checkpoint.check_output_dir(cfg, resume_meta["step"] if resume_path is not None else 0)
     set_seed(cfg.seed)  # the same seed on every rank: identical initial weights everywhere
@@ -226,7 +228,8 @@ def main(argv=None):
     }
     data_ranks = config.data_parallel_size(accelerator)  # the world size over the tensor-parallel size
     tokens_per_step = cfg.micro_batch_size * cfg.seq_len * cfg.gradient_accumulation_steps * data_ranks
-    tracking.start(accelerator, cfg, setup)
+    if not cfg.eval_only:
+        tracking.start(accelerator, cfg, setup)
 
     def run_eval(step):
         result = modeling.evaluate(model, eval_loader, accelerator, cfg.eval_batches)

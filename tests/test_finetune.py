@@ -153,7 +153,8 @@ def test_the_data_wait_is_bounded_by_data_timeout(tmp_path, hf_home):
                                 hf_home, check=False, env={"ACCELERATE_RECIPES_SLOW_DATA": "12"})
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert lines and "rank 1 waited in vain for rank 0 to prepare the data (--data_timeout 3 s)" in lines[0], lines
+    expected = "rank 1 waited in vain for rank 0 to prepare the data (failed, or longer than --data_timeout 3 s)"
+    assert lines and expected in lines[0], lines
     assert not (out / "run_summary.json").exists()
 
 
@@ -197,10 +198,49 @@ def test_a_streamed_run_resumes_exactly_by_reading_up_to_its_place(tmp_path, hf_
     assert resumed.probed("stream_rows") == streamed_run.probed("stream_rows")
 
 
-def test_a_streamed_checkpoint_refuses_another_world_size(tmp_path, hf_home, streamed_run, stream_args):
-    args = stream_args + ["--resume_from_checkpoint", str(streamed_run.output_dir / "checkpoints" / "step_10"),
-                          "--output_dir", str(tmp_path / "one_rank")]
-    proc = launch("train.py", args, hf_home, check=False)
+def test_a_streamed_checkpoint_resumes_only_as_it_was(streamed_run, stream_args):
+    """Other ranks or micro-batch, or other data, would skip to another place: refused before any work.
+    Evaluating its weights (--eval_only) needs neither."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from common.config import ConfigError
+    from train_extras.checkpoint import check_compatible
+
+    step_10 = str(streamed_run.output_dir / "checkpoints" / "step_10")
+    ranks = {n: SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, num_processes=n) for n in (1, 2)}
+    resume = parse(TrainConfig, stream_args + ["--resume_from_checkpoint", step_10], recipe="train.py")
+    assert check_compatible(step_10, resume, ranks[2])["step"] == 10  # as it was
+    with pytest.raises(ConfigError, match="a streamed run resumes only as it was"):
+        check_compatible(step_10, resume, ranks[1])
+    other_seed = parse(TrainConfig, stream_args + ["--resume_from_checkpoint", step_10, "--seed", "7"],
+                       recipe="train.py")
+    with pytest.raises(ConfigError, match="streamed other data: --seed differ"):
+        check_compatible(step_10, other_seed, ranks[2])
+    evaluate = parse(TrainConfig, stream_args + ["--resume_from_checkpoint", step_10, "--eval_only",
+                                                 "--micro_batch_size", "4"], recipe="train.py")
+    assert check_compatible(step_10, evaluate, ranks[1])["step"] == 10
+
+
+def test_eval_only_with_no_checkpoint_to_find_is_one_line(tmp_path, hf_home):
+    proc = launch("train.py", DEBUG_ARGS + ["--eval_only", "--resume_from_checkpoint", "auto", "--output_dir",
+                                            str(tmp_path / "empty")], hf_home, check=False)
     assert proc.returncode != 0
-    assert [line for line in proc.stderr.splitlines() if line.startswith("error: ")][0].endswith(
-        "(each rank's place in its part of the stream is a count of its own micro-batches)"), proc.stderr[-2000:]
+    assert f"error: --eval_only: no complete checkpoint in {tmp_path / 'empty'}/checkpoints to evaluate" in proc.stderr
+
+
+def test_the_model_is_built_in_fp32_except_under_a_16_bit_deepspeed_engine():
+    """fp32 master weights wherever autocast computes over them; DeepSpeed's bf16/fp16 engine casts
+    the module itself (and keeps fp32 copies in its optimizer), so it loads in that dtype."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from train_extras.strategy import weights_dtype
+
+    for kind in (DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.FSDP, DistributedType.DEEPSPEED):
+        for precision, deepspeed_dtype in (("no", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+            expected = deepspeed_dtype if kind == DistributedType.DEEPSPEED else torch.float32
+            accelerator = SimpleNamespace(distributed_type=kind, mixed_precision=precision)
+            assert weights_dtype(accelerator) == expected, (kind, precision)

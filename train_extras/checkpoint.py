@@ -92,6 +92,11 @@ def verify(path: str | Path) -> dict:
 REPLICATED = ("NO", "MULTI_CPU", "MULTI_GPU")
 
 
+# What makes a stream the same stream: a resumed streamed run skips that many blocks of it.
+STREAM_IDENTITY = ("data_files", "dataset_name", "dataset_config", "dataset_split", "text_column", "txt_documents",
+                   "add_bos", "seq_len", "seed", "tokenizer_name_or_path", "model_name_or_path")
+
+
 def check_compatible(path: str | Path, cfg, accelerator) -> dict:
     """Refuse, before any heavy work, a checkpoint this run cannot continue: another model, another
     strategy, another global batch, or a world-size change the strategy cannot reshard. Returns
@@ -123,11 +128,17 @@ def check_compatible(path: str | Path, cfg, accelerator) -> dict:
             f"do not reshard here: resume with {saved_world} processes, or export its weights with "
             f"{saved_world} processes (--resume_from_checkpoint {path} --max_steps {meta.get('step')}) and start "
             "a new run from <output_dir>/model with --model_name_or_path (the optimizer state starts afresh)")
+    if cfg.eval_only:  # evaluates the weights: the data position and the batch do not matter
+        return meta
     streamed = (bool(saved_cfg.get("streaming")), saved_world, saved_cfg.get("micro_batch_size"))
     if (streamed[0] or cfg.streaming) and streamed != (cfg.streaming, this_world, cfg.micro_batch_size):
         raise ConfigError(f"{meta_file} was saved by a run with streaming {streamed[0]}, {saved_world} data ranks and "
                           f"micro-batch {streamed[2]}: a streamed run resumes only as it was (each rank's place in "
                           "its part of the stream is a count of its own micro-batches)")
+    changed = [key for key in STREAM_IDENTITY if cfg.streaming and saved_cfg.get(key) != getattr(cfg, key)]
+    if changed:
+        raise ConfigError(f"{meta_file} streamed other data: --{', --'.join(changed)} differ; a streamed run resumes "
+                          "by reading the same stream again up to its place")
     if saved_world != this_world:
         _samples_into_epoch(meta, cfg, this_world)  # raises if the position falls inside a micro-step here
     saved_batch = saved_cfg.get("micro_batch_size", 0) * saved_cfg.get("gradient_accumulation_steps", 0) * saved_world

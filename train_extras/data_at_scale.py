@@ -44,9 +44,9 @@ def main_process_first(accelerator, timeout_s: int):
     def wait(for_whom: str):
         try:
             torch.distributed.barrier(group=group)
-        except RuntimeError as err:  # gloo's timeout, or a peer that died meanwhile
-            raise TrainingError(f"rank {accelerator.process_index} waited in vain for {for_whom} (--data_timeout "
-                                f"{timeout_s} s): {one_line(err, 160)}") from None
+        except RuntimeError as err:  # gloo's timeout, or a peer that failed meanwhile
+            raise TrainingError(f"rank {accelerator.process_index} waited in vain for {for_whom} (failed, or "
+                                f"longer than --data_timeout {timeout_s} s): {one_line(err, 160)}") from None
 
     if not accelerator.is_main_process:
         wait("rank 0 to prepare the data")  # rank 0 tokenises and caches; the others then read its cache
@@ -63,8 +63,9 @@ def held_out_set(cfg, tokenizer) -> data.PackedBlocks:
 
 
 class StreamedBlocks(IterableDataset):
-    """This rank's blocks of seq_len + 1 tokens, packed from its part of the streamed source; the
-    block index is rank + world_size * (blocks this rank made so far in the epoch)."""
+    """This rank's blocks of seq_len + 1 tokens, packed from its part of the streamed source. Each
+    carries an index like the packed datasets' (rank + world_size * blocks made so far in the pass),
+    unique across ranks; nothing in training reads it."""
 
     def __init__(self, cfg, tokenizer, rank: int, world_size: int):
         self.cfg, self.tokenizer, self.rank, self.world_size, self.epoch = cfg, tokenizer, rank, world_size, 0
@@ -92,11 +93,11 @@ class StreamedBlocks(IterableDataset):
         ds = ds.shuffle(seed=cfg.seed, buffer_size=SHUFFLE_BUFFER)
         ds.set_epoch(self.epoch)
         for row in ds:
-            text = row.get(cfg.text_column)
-            if text is None:
+            if cfg.text_column not in row:
                 raise ConfigError(f"streamed rows have no column {cfg.text_column!r} (columns: {sorted(row)}); "
                                   "set --text_column")
-            if text.strip():
+            text = row[cfg.text_column]
+            if isinstance(text, str) and text.strip():  # empty and null texts are no documents, as when not streamed
                 yield text
 
     def __iter__(self):

@@ -98,8 +98,9 @@ class FineTuneOptions:
 
     def check(self):  # runs before OptimizerOptions' (TrainConfig lists this group last): it sets warmup_steps
         if self.warmup_ratio is not None:
-            if self.warmup_steps != OptimizerOptions.warmup_steps:
-                raise ConfigError("give --warmup_steps or --warmup_ratio, not both")
+            if self.warmup_steps != OptimizerOptions.warmup_steps:  # (an explicit default cannot be told apart)
+                raise ConfigError("give --warmup_steps or --warmup_ratio, not both (a config file's warmup_ratio "
+                                  "is overridden with --warmup_ratio)")
             if not 0.0 <= self.warmup_ratio <= 1.0:
                 raise ConfigError(f"--warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
             self.warmup_steps = round(self.warmup_ratio * max(self.max_steps, 0))
@@ -126,9 +127,8 @@ class DataAtScaleOptions:
         if self.streaming:
             if not (self.data_files or self.dataset_name):
                 raise ConfigError("--streaming needs --data_files or --dataset_name (tiny Shakespeare is not streamed)")
-            if not (self.eval_split or self.eval_data_files) and self.eval_every > 0:
-                raise ConfigError("--streaming needs a held-out set of its own: --eval_split or --eval_data_files "
-                                  "(or --eval_every 0)")
+            if not (self.eval_split or self.eval_data_files):
+                raise ConfigError("--streaming needs a held-out set of its own: --eval_split or --eval_data_files")
             if not self.packing:
                 raise ConfigError("--streaming packs documents into blocks: not with --packing false")
 
