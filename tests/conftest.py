@@ -211,7 +211,9 @@ EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # by the run's 
 def check_export_reproduces_model(run: Run):
     """The exported folder, reloaded by plain transformers, is in the run's precision and gives the
     trained model's logits (fp32, recorded by the probe at the end of the run): within 1e-5 from an
-    fp32 export, within 1% of the largest logit from a bf16/fp16 one (its weights rounded)."""
+    fp32 export, within 5% of the largest logit from a bf16/fp16 one, whose weights are rounded to 8
+    (11) significant bits (measured from bf16: 0.37% after a 30-step fine-tune at 4e-4, 1.6% after 20
+    TP steps at 3e-3, whose weights moved further)."""
     from probes.sitecustomize import PROBE_INPUT_IDS
 
     assert run.summary["export"] == str(run.output_dir / "model")
@@ -224,7 +226,7 @@ def check_export_reproduces_model(run: Run):
         logits = model.float()(torch.tensor([PROBE_INPUT_IDS])).logits[0]
     trained = torch.tensor(run.final[0]["probe_logits"])
     diff = (logits - trained).abs().max().item()
-    assert diff < (1e-5 if dtype == torch.float32 else 0.01 * trained.abs().max().item()), diff
+    assert diff < (1e-5 if dtype == torch.float32 else 0.05 * trained.abs().max().item()), diff
 
 
 def check_resumed_losses(full: Run, resumed: Run, half: int, tolerance: float = 0.0):

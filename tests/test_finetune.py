@@ -94,7 +94,7 @@ def test_a_bf16_run_exports_bf16_that_reloads_with_its_logits(finetune_run):
         dtypes = {f.get_slice(name).get_dtype() for name in f.keys()}
     assert dtypes == {"BF16"}, dtypes  # half the size of the fp32 masters it was trained with
     assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
-    # bf16 parameters whose logits are the trained fp32 masters' within 1% of the largest (measured: 0.37%)
+    # bf16 parameters whose logits are the trained fp32 masters' within 5% of the largest (measured: 0.37%)
     check_export_reproduces_model(finetune_run)
 
 
