@@ -23,12 +23,14 @@ hold the schedule); gradient accumulation with the loss normalised by the step's
 over all micro-batches and ranks; clipping on the full gradient (pre-clip norm logged); NaN/inf
 losses skipped, counted, and fatal after --max_nonfinite_steps in a row; four LR schedules;
 held-out eval; gradient checkpointing; pretrained start; resumable, atomic, rotated checkpoints
-with exact resume; fused AdamW; tqdm bar with loss, lr and tokens/s.
+with exact resume; fused AdamW; tqdm bar with loss, lr and tokens/s on a terminal, one plain line
+per interval in a log file; <output_dir>/metrics.jsonl appended as the run goes (train_extras/run_log.py).
 Preemption (SIGTERM/SIGUSR1 on any rank): every rank finishes the step, a checkpoint and
 <output_dir>/requeue.json are written, exit code 75 (train_extras/preemption.py). A rank that dies
 or hangs makes the others stop within --collective_timeout seconds with a message, not hang.
 Per log interval: tokens/s (global, per device), step time, MFU, memory per rank, ETA, into
-run_summary.json and the trackers of --report_to (secrets removed first). --compile compiles
+run_summary.json and the trackers of --report_to (secrets removed first; one tracker run across
+every resume, its id kept in the checkpoints). --compile compiles
 each decoder layer once (accelerate's regional compilation).
 
 Host syncs per optimizer step: one (the NaN/inf and preemption decision, which must be known before
@@ -53,7 +55,7 @@ from common import config, data, guard
 from common import model as modeling
 from common.export import export_pretrained
 from common.files import write_json
-from train_extras import checkpoint, data_at_scale, flops, metrics, parallel, preemption, strategy, tracking
+from train_extras import checkpoint, data_at_scale, flops, metrics, parallel, preemption, run_log, strategy, tracking
 from train_extras.options import TrainConfig
 from train_extras.sampling import sample_text
 
@@ -123,6 +125,8 @@ def main(argv=None):
     cfg = config.parse(TrainConfig, argv, recipe="train.py")
     modeling.check_seq_len(cfg)
     strategy.use_available_cores()  # accelerate's default for one CPU process is one thread
+    if not run_log.draw_bar():  # a scheduler's log file: plain lines, no progress-bar redraws
+        run_log.library_bars_off()
     # From here on a SIGTERM/SIGUSR1 means "save and stop after this step", not "die now".
     watch = preemption.PreemptionWatch().install() if cfg.save_on_preemption else preemption.PreemptionWatch()
 
@@ -228,13 +232,16 @@ def main(argv=None):
     }
     data_ranks = config.data_parallel_size(accelerator)  # the world size over the tensor-parallel size
     tokens_per_step = cfg.micro_batch_size * cfg.seq_len * cfg.gradient_accumulation_steps * data_ranks
-    if not cfg.eval_only:
-        tracking.start(accelerator, cfg, setup)
+    tracker_run = tracking.run_identity(cfg, resume_meta if resume_path is not None else None)
+    summary["tracker_run"] = tracker_run
+    if not cfg.eval_only:  # one tracker run across every restart: its identity travels in the checkpoints
+        tracking.start(accelerator, cfg, setup, tracker_run, resume_meta["step"] if resume_path is not None else 0)
 
     def run_eval(step):
         result = modeling.evaluate(model, eval_loader, accelerator, cfg.eval_batches)
         summary["eval"].append({"step": step, **result})
         accelerator.log({"eval/loss": result["loss"], "eval/perplexity": result["perplexity"]}, step=step)
+        record.write([{"kind": "eval", "step": step, **result, "time": run_log.now()}])
         if accelerator.is_main_process:
             tqdm.write(f"step {step}: eval loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f}")
         if cfg.sample_at_eval and cfg.sample_length:
@@ -263,6 +270,9 @@ def main(argv=None):
     if cfg.eval_only:  # the model as it is, on the held-out data: nothing trains, nothing else is written
         return evaluate_only(accelerator, cfg, summary, modeling.evaluate(model, eval_loader, accelerator,
                                                                           cfg.eval_batches), start_step)
+    # <output_dir>/metrics.jsonl, appended as the run goes (a resumed run goes on with it from its step)
+    record = run_log.MetricsFile(cfg.output_dir, start_step if resume_path is not None else None,
+                                 enabled=accelerator.is_main_process)
     if resume_path is None and cfg.eval_every > 0:
         run_eval(0)
     micro_batches_done = skip if cfg.streaming else epoch * len(train_loader) + skip
@@ -272,7 +282,7 @@ def main(argv=None):
                                optimizer=optimizer, metadata={
             "micro_batches_done": micro_batches_done,  # per rank; with batches_per_epoch, the data position
             "batches_per_epoch": None if cfg.streaming else len(train_loader),
-            "tokens_seen": step * tokens_per_step, "config": dataclasses.asdict(cfg),
+            "tokens_seen": step * tokens_per_step, "config": dataclasses.asdict(cfg), "tracker_run": tracker_run,
             "setup": {k: setup[k] for k in ("distributed_type", "world_size", "data_parallel_size",
                                             "tensor_parallel_size", "mixed_precision")}})
 
@@ -280,7 +290,7 @@ def main(argv=None):
     model.train()
     batches = (data_at_scale.streamed_batches(accelerator, train_loader, skip) if cfg.streaming
                else batches_forever(accelerator, train_loader, epoch, skip))
-    log = IntervalLog(accelerator, cfg, summary, tokens_per_step, flops_per_token, peak["tflops"], start_step)
+    log = IntervalLog(accelerator, cfg, summary, record, tokens_per_step, flops_per_token, peak["tflops"], start_step)
     nonfinite, overflow = NonFinitePolicy(accelerator, cfg.max_nonfinite_steps), OverflowSkips(accelerator)
     preempted = None
     for step in range(start_step + 1, cfg.max_steps + 1):
@@ -333,8 +343,11 @@ def main(argv=None):
             preempted = {"step": step, "signal": watch.signal_name or "another rank's signal"}
         if step % cfg.log_every == 0 or step == cfg.max_steps or preempted:
             log.flush(step)
+        eval_now = cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.max_steps) and not preempted
+        if eval_now:
+            log.record_steps()  # its host sync waits for the steps themselves: training time, outside the pause
         with log.paused():  # eval and checkpoint time is not training time: kept out of tokens/s
-            if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.max_steps) and not preempted:
+            if eval_now:
                 run_eval(step)
             if preempted or (cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps)):
                 saved = save_checkpoint(step)
@@ -357,7 +370,8 @@ def main(argv=None):
                                    "rerun with --resume_from_checkpoint auto")
 
     # ---- the final model: eval, sample, export, record ----
-    if start_step >= cfg.max_steps and cfg.eval_every > 0:  # nothing trained: still report the final model
+    # Nothing trained: still report the final model (metrics.jsonl, closed above, has the run's own evals).
+    if start_step >= cfg.max_steps and cfg.eval_every > 0:
         run_eval(cfg.max_steps)
     sampled_at_end = bool(summary["samples"]) and summary["samples"][-1]["step"] == cfg.max_steps  # --sample_at_eval
     if cfg.sample_length and not sampled_at_end:
@@ -380,46 +394,70 @@ def main(argv=None):
 
 class IntervalLog:
     """Per-step numbers, kept on the device and fetched once per log interval (the one sync that
-    also makes the interval's timing honest), then written to run_summary.json, the trackers and
-    the progress bar, with throughput, MFU, memory per rank and the ETA."""
+    also makes the interval's timing honest), then written to run_summary.json, metrics.jsonl, the
+    trackers and the progress bar (or a plain line when the output is a file: train_extras/run_log.py),
+    with throughput, MFU, memory per rank and the ETA."""
 
-    def __init__(self, accelerator, cfg, summary, tokens_per_step, flops_per_token, peak_tflops, start_step):
-        self.accelerator, self.cfg, self.summary = accelerator, cfg, summary
+    def __init__(self, accelerator, cfg, summary, record, tokens_per_step, flops_per_token, peak_tflops, start_step):
+        self.accelerator, self.cfg, self.summary, self.record = accelerator, cfg, summary, record
         self.tokens_per_step, self.flops_per_token, self.peak_tflops = tokens_per_step, flops_per_token, peak_tflops
-        self.pending, self.step_times = [], []
+        self.pending, self.step_times, self.interval_steps = [], [], 0
         self.start = time.perf_counter()
-        self.bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not accelerator.is_main_process, desc="train")
+        self.plain = accelerator.is_main_process and not run_log.draw_bar()
+        self.bar = tqdm(total=cfg.max_steps, initial=start_step, desc="train",
+                        disable=not accelerator.is_main_process or self.plain)
 
     def add(self, step, lr, loss, grad_norm, loss_scale):
         """grad_norm: clip_grad_norm_'s result (a DTensor under FSDP2, a float under DeepSpeed, None
         for a skipped step), kept on the device like the loss."""
         self.pending.append((step, lr, loss, metrics.as_tensor(grad_norm, loss.device), loss_scale))
 
-    def flush(self, step):
+    def drain(self) -> list[dict]:
+        """Fetch the steps added since the last call (one host sync) into run_summary.json and the
+        trackers; returns their metrics.jsonl lines. Called at each log interval, and before an eval
+        so that its step comes after theirs everywhere (wandb drops a step logged after a later one)."""
+        if not self.pending:
+            return []
         losses, norms = torch.stack([torch.stack([loss, norm]) for _, _, loss, norm, _ in self.pending]).T.tolist()
-        elapsed = time.perf_counter() - self.start
-        self.start = time.perf_counter()  # what logging costs below counts in the next interval
-        self.step_times.append(elapsed / len(self.pending))
-        stats = metrics.interval_stats(
-            steps=len(self.pending), seconds=elapsed, tokens_per_step=self.tokens_per_step,
-            world_size=self.accelerator.num_processes, flops_per_token=self.flops_per_token,
-            peak_tflops_per_device=self.peak_tflops, steps_left=self.cfg.max_steps - step, step_times=self.step_times)
-        memory = metrics.peak_memory(self.accelerator)  # every rank's (a small gather per interval)
+        lines = []
         for (s, lr, _, _, loss_scale), loss, norm in zip(self.pending, losses, norms):
             row = {"step": s, "loss": loss, "lr": lr, "grad_norm": norm}
             if loss_scale is not None:
                 row["loss_scale"] = loss_scale
             self.summary["losses"].append(row)
+            lines.append({"kind": "train", **row})
             self.accelerator.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step=s)
+        self.interval_steps += len(self.pending)
+        self.last = {"loss": losses[-1], "lr": self.pending[-1][1], "grad_norm": norms[-1]}
+        self.pending = []
+        return lines
+
+    def record_steps(self):
+        """Before an eval: the steps so far into metrics.jsonl and the trackers."""
+        self.record.write(self.drain())
+
+    def flush(self, step):
+        lines = self.drain()
+        elapsed = time.perf_counter() - self.start
+        self.start = time.perf_counter()  # what logging costs below counts in the next interval
+        steps, self.interval_steps = self.interval_steps, 0
+        self.step_times.append(elapsed / steps)
+        stats = metrics.interval_stats(
+            steps=steps, seconds=elapsed, tokens_per_step=self.tokens_per_step,
+            world_size=self.accelerator.num_processes, flops_per_token=self.flops_per_token,
+            peak_tflops_per_device=self.peak_tflops, steps_left=self.cfg.max_steps - step, step_times=self.step_times)
+        memory = metrics.peak_memory(self.accelerator)  # every rank's (a small gather per interval)
         self.summary["throughput"].append({"step": step, **stats, "memory_per_rank": memory})
+        self.record.write(lines + [{"kind": "interval", "step": step, "steps": steps, **stats, "time": run_log.now()}])
+        if self.plain:
+            print(run_log.plain_line(step, self.cfg.max_steps, stats=stats, **self.last), flush=True)
         self.accelerator.log({f"perf/{k}": v for k, v in stats.items() if v is not None}
                              | {f"memory/rank{m['rank']}_{k}": v for m in memory for k, v in m.items() if k != "rank"},
                              step=step)
-        self.bar.set_postfix(loss=f"{losses[-1]:.4f}", lr=f"{self.pending[-1][1]:.2e}",
+        self.bar.set_postfix(loss=f"{self.last['loss']:.4f}", lr=f"{self.last['lr']:.2e}",
                              tok_s=f"{stats['tokens_per_s']:,.0f}",
                              **({"mfu": f"{stats['mfu']:.1%}"} if stats["mfu"] is not None else {}))
-        self.bar.update(len(self.pending))
-        self.pending = []
+        self.bar.update(steps)
 
     @contextlib.contextmanager
     def paused(self):
@@ -430,6 +468,7 @@ class IntervalLog:
 
     def close(self):
         self.bar.close()  # an error line after this starts on a line of its own
+        self.record.close()
 
 
 def evaluate_only(accelerator, cfg, summary, result: dict, step: int) -> None:

@@ -161,6 +161,32 @@ def test_interval_arithmetic():
     assert stats["mfu"] == 0.25 and stats["eta_s"] == 50 * 0.25  # median step time
 
 
+# Names as torch.cuda.get_device_name reports them, with the part and the dense bf16 / tf32 peaks.
+GPU_NAMES = [
+    ("NVIDIA A100-SXM4-40GB", "A100", 312.0, 156.0), ("NVIDIA A100-SXM4-80GB", "A100", 312.0, 156.0),
+    ("NVIDIA A100-PCIE-40GB", "A100", 312.0, 156.0), ("NVIDIA A100 80GB PCIe", "A100", 312.0, 156.0),
+    ("NVIDIA H100 80GB HBM3", "H100 SXM", 989.5, 494.7), ("NVIDIA H100 PCIe", "H100 PCIe", 756.5, 378.0),
+    ("NVIDIA H100 NVL", "H100 NVL", 835.5, 417.5), ("NVIDIA H200", "H200 SXM", 989.5, 494.7),
+    ("NVIDIA H200 NVL", "H200 NVL", 835.5, 417.5), ("NVIDIA B200", "B200", 2250.0, 1100.0),
+    ("NVIDIA L40S", "L40S", 362.05, 183.0), ("NVIDIA L4", "L4", 121.0, 60.0), ("NVIDIA A10", "A10", 125.0, 62.5),
+    ("AMD Instinct MI300X", "MI300X", 1307.4, 653.7), ("AMD Instinct MI300X VF", "MI300X", 1307.4, 653.7),
+]
+
+
+@pytest.mark.parametrize("name, part, bf16, tf32", GPU_NAMES)
+def test_the_mfu_peak_is_the_exact_parts(name, part, bf16, tf32):
+    assert metrics.gpu_peak(name, "bf16") == (bf16, part)
+    assert metrics.gpu_peak(name, "fp16") == (bf16, part)  # the same dense rate on every part listed
+    assert metrics.gpu_peak(name, "no") == (tf32, part)  # fp32 runs: TF32 matmuls are on
+
+
+@pytest.mark.parametrize("name", ["NVIDIA A10G", "NVIDIA H100", "NVIDIA H800", "NVIDIA GeForce RTX 4090",
+                                  "NVIDIA L40", "Tesla V100-SXM2-16GB", "AMD Instinct MI250X"])
+def test_an_unknown_part_gets_no_mfu_and_says_why(name):
+    tflops, why = metrics.gpu_peak(name, "bf16")
+    assert tflops is None and name in why and "no datasheet peak" in why
+
+
 def test_measuring_the_cpu_ceiling_leaves_the_global_rng_alone():
     """It runs after set_seed and before the model is built: drawing from the global RNG would
     change every initial weight (it did once: the pinned first-step loss caught it)."""

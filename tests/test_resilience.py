@@ -183,7 +183,7 @@ def test_sigusr1_to_the_launcher_alone_reaches_the_workers_when_the_launcher_is_
                             "--output_dir", str(out)]
     proc = start_two_processes("train.py", "ddp.yaml", args, hf_home, logs,
                                env={"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"})
-    wait_for(lambda: "tok_s=" in text(logs), proc, "training progress")  # the loop runs
+    wait_for(lambda: " tok/s" in text(logs, "stdout"), proc, "training progress")  # the loop runs
     workers = worker_pids(proc)
     proc.send_signal(signal.SIGUSR1)
     proc.wait(timeout=120)
@@ -200,7 +200,7 @@ def test_sigterm_to_a_one_process_launcher_still_saves(tmp_path, hf_home):
     args = DEBUG_ARGS + ["--max_steps", "100000", "--eval_every", "0", "--save_model", "false",
                          "--output_dir", str(out)]
     proc = start("train.py", args, hf_home, logs)
-    wait_for(lambda: "tok_s=" in text(logs), proc, "training progress")
+    wait_for(lambda: " tok/s" in text(logs, "stdout"), proc, "training progress")
     worker = worker_pids(proc)[0]
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=60)
@@ -329,7 +329,7 @@ def test_a_lost_rank_stops_the_other_within_the_collective_timeout(how, tmp_path
     args = TWO_RANK_ARGS + ["--max_steps", "100000", "--eval_every", "0", "--save_model", "false",
                             "--collective_timeout", str(timeout), "--output_dir", str(out)]
     proc = start_two_processes("train.py", "ddp.yaml", args, hf_home, logs)
-    wait_for(lambda: "tok_s=" in text(logs), proc, "training progress")
+    wait_for(lambda: " tok/s" in text(logs, "stdout"), proc, "training progress")
     ranks = worker_pids(proc)
     os.kill(ranks[1], getattr(signal, how))
     lost_at = time.monotonic()

@@ -12,6 +12,7 @@ run's dtype measured once at start with the process's own threads.
 
 from __future__ import annotations
 
+import re
 import resource
 import time
 
@@ -48,26 +49,53 @@ def count_parameters(model) -> int:
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
 
-# Dense peak tensor-core throughput in TFLOP/s from the vendors' datasheets (SXM parts; no
-# sparsity). "fp32" is plain fp32; with TF32 matmuls enabled (common/model.py) fp32 matmuls run
-# at the "tf32" rate. MFU = achieved model FLOPs / this peak.
-PEAK_TFLOPS = {
-    "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},
-    "H100": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},
-    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
-    "L40S": {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6},
-    "L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
-    "A10G": {"bf16": 70.0, "fp16": 70.0, "tf32": 35.0, "fp32": 31.2},
-}
+# Dense (no sparsity) peak tensor-core TFLOP/s per GPU, by exact part, from the vendors' datasheets.
+# Datasheets quote bf16/fp16/tf32 "with sparsity" (2x); the dense figure is half. fp32 runs use the
+# tf32 rate, since common/model.py turns TF32 matmuls on. MFU = achieved model FLOPs / this peak.
+# Each entry: (pattern for torch.cuda.get_device_name, upper-cased, "NVIDIA " removed; part; bf16, fp16, tf32).
+GPU_PEAKS = [
+    # NVIDIA A100 datasheet (A100 40GB/80GB, PCIe and SXM4 alike): BF16/FP16 312, TF32 156.
+    # torch: "NVIDIA A100-SXM4-40GB", "NVIDIA A100-SXM4-80GB", "NVIDIA A100-PCIE-40GB", "NVIDIA A100 80GB PCIe".
+    (r"A100([- ]SXM4?)?[- ](40|80)GB( PCIE)?|A100-PCIE-(40|80)GB", "A100", 312.0, 312.0, 156.0),
+    # NVIDIA H100 datasheet, SXM5: BF16/FP16 1,979 and TF32 989 with sparsity. torch: "NVIDIA H100 80GB HBM3".
+    (r"H100 80GB HBM3|H100 SXM5?( 80GB)?", "H100 SXM", 989.5, 989.5, 494.7),
+    # Same datasheet, PCIe: 1,513 / 756 with sparsity. torch: "NVIDIA H100 PCIe".
+    (r"H100 PCIE", "H100 PCIe", 756.5, 756.5, 378.0),
+    # Same datasheet, NVL (per GPU): 1,671 / 835 with sparsity. torch: "NVIDIA H100 NVL".
+    (r"H100 NVL", "H100 NVL", 835.5, 835.5, 417.5),
+    # NVIDIA H200 datasheet, SXM: as H100 SXM (same compute, more and faster memory). torch: "NVIDIA H200".
+    (r"H200", "H200 SXM", 989.5, 989.5, 494.7),
+    # Same datasheet, H200 NVL: 1,671 / 835 with sparsity. torch: "NVIDIA H200 NVL".
+    (r"H200 NVL", "H200 NVL", 835.5, 835.5, 417.5),
+    # NVIDIA HGX B200 specifications, per GPU: FP16/BF16 4.5 PFLOPS and TF32 2.2 PFLOPS with sparsity.
+    (r"B200", "B200", 2250.0, 2250.0, 1100.0),
+    # NVIDIA L40S datasheet: BF16/FP16 362.05 dense (733 with sparsity), TF32 183 (366). torch: "NVIDIA L40S".
+    (r"L40S", "L40S", 362.05, 362.05, 183.0),
+    # NVIDIA L4 datasheet: BF16/FP16 242 and TF32 120 with sparsity. torch: "NVIDIA L4".
+    (r"L4", "L4", 121.0, 121.0, 60.0),
+    # NVIDIA A10 datasheet: BF16/FP16 250 and TF32 125 with sparsity. (AWS's A10G has no public
+    # datasheet: unknown, so no MFU rather than a guessed one.)
+    (r"A10", "A10", 125.0, 125.0, 62.5),
+    # AMD Instinct MI300X data sheet: peak BF16/FP16 1,307.4 and TF32 653.7 dense. ROCm's torch:
+    # "AMD Instinct MI300X" (a virtual function: "... MI300X VF").
+    (r"AMD INSTINCT MI300X( VF)?", "MI300X", 1307.4, 1307.4, 653.7),
+]
+
+
+def gpu_peak(device_name: str, precision: str) -> tuple[float | None, str]:
+    """(dense peak TFLOP/s, the part it is for) for a GPU name as torch reports it, matched whole
+    (an H100 PCIe is not an H100 SXM); (None, why) for a part not in GPU_PEAKS."""
+    name = re.sub(r"^NVIDIA\s+", "", device_name.strip().upper())
+    column = {"bf16": 0, "fp16": 1}.get(precision, 2)
+    for pattern, part, *peaks in GPU_PEAKS:
+        if re.fullmatch(pattern, name):
+            return peaks[column], part
+    return None, f"no datasheet peak for {device_name!r} in train_extras/metrics.py GPU_PEAKS"
 
 
 def peak_tflops(device_name: str, precision: str) -> float | None:
     """Datasheet peak for a GPU name as torch reports it (e.g. 'NVIDIA H200'), or None if unknown."""
-    kind = {"bf16": "bf16", "fp16": "fp16"}.get(precision, "tf32")
-    for gpu in sorted(PEAK_TFLOPS, key=len, reverse=True):  # "L40S" before "L4"
-        if gpu in device_name.upper():
-            return PEAK_TFLOPS[gpu][kind]
-    return None
+    return gpu_peak(device_name, precision)[0]
 
 
 def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, size: int = 1024, seconds: float = 0.1,
@@ -110,7 +138,8 @@ def peak_flops(accelerator) -> dict:
     precision = accelerator.mixed_precision
     if accelerator.device.type == "cuda":
         name = torch.cuda.get_device_name(accelerator.device)
-        return {"tflops": peak_tflops(name, precision), "source": f"datasheet ({name}, {precision})"}
+        tflops, part = gpu_peak(name, precision)
+        return {"tflops": tflops, "source": f"{part} datasheet, {precision} dense" if tflops else part}
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
     threads = torch.get_num_threads()
     tflops, size = measure_matmul_tflops(accelerator.device, dtype)

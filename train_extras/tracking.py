@@ -12,6 +12,15 @@ trackio's database (docs/toolchain.md#trackers-and-secrets). So the config (and 
 wandb also records the command line and host metadata on its own; that is switched off, since the
 command line holds the options before redaction.
 
+One tracker run per training run: the run's identity (an id and a name) is made once, stored in
+every checkpoint.json, and reused on resume, so a run preempted and requeued N times is one curve,
+not N: wandb gets `id=<id>, resume="allow"`; trackio the stored name with `resume="allow"` (trackio
+finds runs by name); TensorBoard already writes to one folder per run and gets `purge_step`, which
+hides the events a crash logged past the checkpoint resumed from (they are trained again). wandb
+ignores steps at or below one it already has (after a crash, the steps between the checkpoint and
+the crash are kept as first logged; with exact resume, the same numbers). A fresh run (no
+checkpoint) is a new tracker run; $WANDB_RUN_ID, if set, is its id.
+
 Where the files go: TensorBoard `<output_dir>/<project_name>/`, wandb `<output_dir>/wandb/`
 (`WANDB_MODE=offline` writes there without network), trackio `$TRACKIO_DIR` or
 `$HF_HOME/trackio/<project_name>.db`.
@@ -22,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import uuid
 
 TRACKERS = ("tensorboard", "wandb", "trackio")
 REDACTED = "[redacted]"
@@ -106,18 +116,32 @@ def run_name(cfg) -> str:
     return redact_text(cfg.run_name or os.path.basename(os.path.abspath(cfg.output_dir)), secret_env_values())
 
 
-def start(accelerator, cfg, setup: dict) -> None:
-    """init_trackers with the redacted, flattened config (main process only, inside accelerate)."""
+def run_identity(cfg, resume_meta: dict | None) -> dict:
+    """{"id", "name"} of the tracker run: the one a resumed checkpoint recorded, else a new one
+    (uuid4 reads the OS's randomness, not the seeded RNGs: the run's numbers stay as they were)."""
+    stored = (resume_meta or {}).get("tracker_run")
+    if stored:
+        return stored
+    return {"id": os.environ.get("WANDB_RUN_ID") or uuid.uuid4().hex[:16], "name": run_name(cfg)}
+
+
+def start(accelerator, cfg, setup: dict, identity: dict, start_step: int) -> None:
+    """init_trackers with the redacted, flattened config (main process only, inside accelerate),
+    continuing `identity`'s run when the run resumes (start_step > 0)."""
     if not cfg.report_to:
         return
     env_secrets = secret_env_values()
     config = flatten(redact({**dataclasses.asdict(cfg), "setup": {k: v for k, v in setup.items() if k != "options"}},
                             env_secrets))
-    init_kwargs = {"trackio": {"name": run_name(cfg)}}
+    resumed = start_step > 0
+    init_kwargs = {"trackio": {"name": identity["name"], "resume": "allow" if resumed else "never"},
+                   # Events at or past this step, from a crash or an earlier run in this folder, are hidden.
+                   "tensorboard": {"purge_step": start_step + 1 if resumed else 0}}
     if "wandb" in cfg.report_to:
         import wandb
 
         # No command line (it holds the options unredacted), no code, git or host metadata.
-        init_kwargs["wandb"] = {"name": run_name(cfg), "dir": cfg.output_dir,
+        init_kwargs["wandb"] = {"name": identity["name"], "dir": cfg.output_dir, "id": identity["id"],
+                                "resume": "allow",
                                 "settings": wandb.Settings(x_disable_meta=True, save_code=False, disable_git=True)}
     accelerator.init_trackers(redact_text(cfg.project_name, env_secrets), config=config, init_kwargs=init_kwargs)
