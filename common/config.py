@@ -65,6 +65,9 @@ class ModelOptions:
     def check(self):
         if self.model_name_or_path is None and self.preset not in PRESET_NAMES:
             raise ConfigError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESET_NAMES)}")
+        for flag, name in (("model", self.model_name_or_path), ("tokenizer", self.tokenizer_name_or_path)):
+            if name and name.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(name)):  # a path
+                raise ConfigError(f"--{flag}_name_or_path {name}: no such local folder (a Hub id has no leading / . ~)")
 
 
 @dataclass
@@ -171,10 +174,7 @@ def _positive(options, *names):
 def _has_text(path: str, chunk: int = 1 << 16) -> bool:
     """True once a non-whitespace byte is found; reads only as far as it must."""
     with open(path, "rb") as f:
-        while block := f.read(chunk):
-            if block.strip():
-                return True
-    return False
+        return any(block.strip() for block in iter(lambda: f.read(chunk), b""))
 
 
 # ---- parsing ----

@@ -64,6 +64,9 @@ class Options(config.RecipeConfig):
 def main(argv=None):
     cfg = config.parse(Options, argv, recipe=Path(__file__).name)
     modeling.check_seq_len(cfg)
+    # New: the process count against the config's tp_size, before accelerate builds the mesh.
+    parallel.check_launch_sizes(Path(__file__).name)
+    # End new
 
     # Mixed precision, device and process count come from the launch config. The LR schedule is
     # stepped by us once per optimizer step (accelerate would step it world_size times).

@@ -55,7 +55,8 @@ from common import config, data, guard
 from common import model as modeling
 from common.export import export_pretrained
 from common.files import write_json
-from train_extras import checkpoint, data_at_scale, flops, metrics, parallel, preemption, run_log, strategy, tracking
+from train_extras import (checkpoint, data_at_scale, flops, metrics, output_dir, parallel, preemption, run_log,
+                          strategy, tracking)
 from train_extras.options import TrainConfig
 from train_extras.sampling import sample_text
 
@@ -124,6 +125,7 @@ def main(argv=None):
     # ---- config: every check that needs no model runs here, before anything heavy ----
     cfg = config.parse(TrainConfig, argv, recipe="train.py")
     modeling.check_seq_len(cfg)
+    parallel.check_launch_sizes("train.py")  # the process count against parallelism_config, before the mesh
     strategy.use_available_cores()  # accelerate's default for one CPU process is one thread
     if not run_log.draw_bar():  # a scheduler's log file: plain lines, no progress-bar redraws
         run_log.library_bars_off()
@@ -150,13 +152,17 @@ def main(argv=None):
     )
     guard.check_launch(accelerator, "train.py", supports=("single", "ddp", "fsdp", "deepspeed", "tp", "fsdp+tp"))
     strategy.configure_deepspeed(accelerator, cfg)  # DeepSpeed clips in its step: pass --max_grad_norm on
+    if not cfg.eval_only:  # one live run per folder (an OS lock), before anything is written into it
+        output_dir.claim(cfg.output_dir, accelerator)
     if accelerator.is_main_process and not cfg.eval_only:
         # A requeued run has started: if it fails before it trains (say its checkpoint is damaged),
         # the job must not be requeued again and again for the old preemption.
         preemption.clear_marker(cfg.output_dir)
-    resume_path = checkpoint.resolve_resume(cfg)
-    if resume_path is not None:  # before any heavy work: files, model, strategy, world size, batch
-        resume_meta = checkpoint.check_compatible(resume_path, cfg, accelerator)
+    # Before any heavy work: every file's size and checksum (auto: the newest checkpoint that
+    # verifies), then the model, strategy, world size and batch.
+    resume_path, resume_meta = checkpoint.resume_point(cfg, accelerator)
+    if resume_path is not None:
+        checkpoint.check_compatible(resume_path, cfg, accelerator, resume_meta)
     elif cfg.eval_only and not cfg.model_name_or_path:  # `auto` found nothing: there is no model to evaluate
         raise config.ConfigError(f"--eval_only: no complete checkpoint in {cfg.output_dir}/checkpoints to evaluate")
     if not cfg.eval_only:  # which writes no checkpoint, and its record apart (eval_summary.json)
@@ -166,8 +172,7 @@ def main(argv=None):
     tokenizer = data.build_tokenizer(cfg)
     model_cfg = modeling.model_config(cfg, len(tokenizer))
     tensor_parallel = parallel.layout(accelerator)  # {"dp_shard": M, "tp": N} from parallelism_config, or None
-    if tensor_parallel:
-        parallel.check(accelerator, cfg, model_cfg, "train.py")
+    parallel.check(accelerator, cfg, model_cfg, "train.py")  # the mesh parallelism_config asks for, as it runs
     flops_per_token = flops.flops_per_token(model_cfg, cfg.seq_len)
 
     # ---- data: rank 0 tokenises and caches first (the others wait up to --data_timeout), then the
@@ -195,6 +200,7 @@ def main(argv=None):
                             else f"unknown ({peak['source']}): no MFU",
             "data": f"{'streamed' if cfg.streaming else len(train_set)} train / {len(eval_set)} held-out "
                     + (f"blocks of {cfg.seq_len + 1} tokens" if cfg.packing else "documents, padded"),
+            **parallel.describe_mesh(accelerator),  # HSDP: accelerate's dp_replicate x dp_shard mesh
         }), flush=True)
 
     # ---- model, optimizer, schedule ----
@@ -350,7 +356,11 @@ def main(argv=None):
             if eval_now:
                 run_eval(step)
             if preempted or (cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps)):
-                saved = save_checkpoint(step)
+                try:
+                    saved = save_checkpoint(step)
+                except config.RecipeStop:  # a full disk: the line must start on a line of its own
+                    log.close()
+                    raise
         if preempted:  # the grace period is short: no eval, no export, just the checkpoint
             if accelerator.is_main_process:
                 preempted["marker"] = str(preemption.write_marker(cfg.output_dir, step, saved, preempted["signal"]))

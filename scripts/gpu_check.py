@@ -1,6 +1,6 @@
 """GPU check: every recipe with its config on the GPUs present, in priority order, one row each.
 
-    # all 25 runs; the first 16 took ~11 min on one H200
+    # all 26 runs; the first 16 took ~11 min on one H200
     python scripts/gpu_check.py --out benchmarks/results/gpu_check-$(date +%F)
     python scripts/gpu_check.py --only 10 11 12 --out DIR                      # a subset, numbered as --dry-run shows
     python scripts/gpu_check.py --dry-run                                       # what it would run, in order
@@ -10,8 +10,8 @@ keeps the GPU busy; the row is printed (and appended to --out) as soon as the ru
 config, precision, world size, tokens/s, MFU, peak memory, final loss, status. With one GPU the
 distributed configs run with world size 1, which still exercises their CUDA code paths (NCCL
 process group, FSDP2 DTensors, DeepSpeed's engine and CUDA/CPU ops, the fp16 GradScaler). Tensor
-parallel, 2D and the pipeline split the model over GPUs: with fewer GPUs than they need (2, 4, 2)
-their rows say "skipped (needs N GPUs)", which does not fail the check.
+parallel, 2D, HSDP and the pipeline split the model over GPUs: with fewer GPUs than they need (2, 4,
+4, 2) their rows say "skipped (needs N GPUs)", which does not fail the check.
 --budget-seconds stops starting new runs once the next one would not fit.
 
 Rows come from each run's run_summary.json (never from parsing logs). tokens/s is the median of
@@ -56,6 +56,7 @@ RUNS = [
     ("tensor_parallel.py", "tp.yaml", "bf16"),  # model parallelism: needs several GPUs (MIN_GPUS)
     ("train.py", "tp.yaml", "bf16"),
     ("train.py", "fsdp_tp.yaml", "bf16"),
+    ("train.py", "multi_node_hsdp.yaml", "bf16"),  # HSDP on one machine's GPUs: 2 replicas x GPUs/2
     ("pipeline_parallel.py", "ddp.yaml", "bf16"),
     ("train.py", "deepspeed_zero1.yaml", "bf16"),  # DeepSpeed without offload: torch's AdamW, no op build
     ("train.py", "deepspeed_zero2.yaml", "bf16"),
@@ -85,6 +86,9 @@ def model_parallel_layout(recipe: str, config: str, gpus: int, preset: str):
     if config == "fsdp_tp.yaml":
         return (gpus // 2 * 2, ["--parallelism_config_dp_shard_size", str(gpus // 2),
                                 "--parallelism_config_tp_size", "2"], []) if gpus >= 4 else 4
+    if config == "multi_node_hsdp.yaml":  # the two "machines" as two halves of this one
+        return (gpus // 2 * 2, ["--num_machines", "1", "--parallelism_config_dp_replicate_size", "2",
+                                "--parallelism_config_dp_shard_size", str(gpus // 2)], []) if gpus >= 4 else 4
     if recipe == "pipeline_parallel.py":
         stages = min(gpus, shape["num_hidden_layers"])
         return (stages, [], ["--gradient_accumulation_steps", str(2 * stages)]) if stages >= 2 else 2

@@ -1,11 +1,13 @@
 """Bad input: one clear line, a non-zero exit, and no model built. In-process through the
-recipes' own entry point (config.run_cli), plus one real `accelerate launch`."""
+recipes' own entry points (config.run_cli; train.py's preemption.run_cli around it), plus one real
+`accelerate launch`."""
 
 import pytest
 
 from common import config
 from common import model as modeling
 from conftest import ROOT, launch, load_recipe
+from train_extras import preemption
 
 
 @pytest.fixture
@@ -45,7 +47,8 @@ def bad_inputs(tmp_path):
 def test_bad_input_is_one_line(recipe, case, tmp_path, capsys, no_model):
     argv, message = bad_inputs(tmp_path)[case]
     message = message.format(recipe=recipe)
-    code = config.run_cli(load_recipe(recipe).main, argv + ["--output_dir", str(tmp_path / "out")])
+    run_cli = preemption.run_cli if recipe == "train" else config.run_cli  # what each recipe's __main__ calls
+    code = run_cli(load_recipe(recipe).main, argv + ["--output_dir", str(tmp_path / "out")])
     captured = capsys.readouterr()
     assert code == 2
     assert captured.out == ""

@@ -74,9 +74,13 @@ def test_model_parallel_runs_are_sized_to_the_gpus_or_skipped():
     sys.path.insert(0, str(ROOT / "scripts"))
     from gpu_check import model_parallel_layout
 
-    runs = [("tensor_parallel.py", "tp.yaml"), ("train.py", "fsdp_tp.yaml"), ("pipeline_parallel.py", "ddp.yaml")]
+    runs = [("tensor_parallel.py", "tp.yaml"), ("train.py", "fsdp_tp.yaml"), ("train.py", "multi_node_hsdp.yaml"),
+            ("pipeline_parallel.py", "ddp.yaml")]
     # one GPU (the lent H200): each says how many GPUs it needs, and the check skips it without failing
-    assert [model_parallel_layout(r, c, 1, "small") for r, c in runs] == [2, 4, 2]
+    assert [model_parallel_layout(r, c, 1, "small") for r, c in runs] == [2, 4, 4, 2]
+    assert model_parallel_layout("train.py", "multi_node_hsdp.yaml", 8, "small") == (
+        8, ["--num_machines", "1", "--parallelism_config_dp_replicate_size", "2", "--parallelism_config_dp_shard_size",
+            "4"], [])
     # 8 GPUs, preset small (12 heads): TP 4 (8 does not divide 12), 2D 4 x 2, 8 pipeline stages
     assert model_parallel_layout("train.py", "tp.yaml", 8, "small") == (4, ["--parallelism_config_tp_size", "4"], [])
     assert model_parallel_layout("train.py", "fsdp_tp.yaml", 8, "small") == (

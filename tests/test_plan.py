@@ -105,7 +105,7 @@ def test_single_gpu_is_ddp_without_buckets():
 
 def test_terms_are_named_sourced_and_add_up():
     shape = plan.model_shape("8b")
-    for rung in (plan.SINGLE,) + plan.LADDER:
+    for rung in (plan.SINGLE,) + plan.LADDER + (plan.HSDP,):
         states = plan.model_state_bytes(rung, shape.n_params, W, "bf16", shape)
         assert not states["unknown"]
         for term in states["terms"]:
@@ -147,6 +147,37 @@ def test_more_gpus_never_increase_per_gpu_model_states(with_shape):
                 if rung.name != "ddp":  # every sharded rung shrinks with more GPUs
                     assert now[1] < previous[1], (rung.name, gpus)
             previous = now
+
+
+def test_hsdp_holds_per_gpu_what_full_shard_over_one_machine_holds():
+    """HSDP on 2 machines x 8 GPUs: the 8 GPUs of each machine shard one copy, so per GPU it is FSDP2
+    full shard with W = 8, not 16 (its all-reduce across machines runs in place: no term of its own)."""
+    shape = plan.model_shape("8b")
+    for with_shape in (None, shape):
+        hsdp = plan.model_state_bytes("hsdp", shape.n_params, 16, "bf16", with_shape, gpus_per_node=8)
+        one_machine = plan.model_state_bytes("fsdp", shape.n_params, 8, "bf16", with_shape)
+        assert (hsdp["world_size"], hsdp["shard_group"]) == (16, 8)
+        for key in ("at_rest", "at_step", "transient", "at_init"):
+            assert hsdp[key] == one_machine[key], key
+        all_gpus = plan.model_state_bytes("fsdp", shape.n_params, 16, "bf16", with_shape)
+        assert hsdp["at_rest"]["device"]["total"] == pytest.approx(2 * all_gpus["at_rest"]["device"]["total"])
+    for gpus in (8, 16, 64):  # 12 B/param at rest over the 4 GPUs of a machine, whatever the machine count
+        states = plan.model_state_bytes("hsdp", P, gpus, "fp32", gpus_per_node=4)
+        assert states["at_rest"]["device"]["total"] == pytest.approx(12 / 4 * P)
+    assert plan.textbook_bytes("hsdp", P, 16)["at_step"]["device"]["total"] == pytest.approx(16 / 8 * P)  # ZeRO-3's
+
+
+def test_hsdp_rung_only_over_whole_machines():
+    def names(gpus, per_node=None):
+        return [r.name for r in plan.ladder(gpus, per_node)]
+
+    assert names(16) == ["ddp", "zero1", "zero2", "hsdp", "fsdp_shard_grad_op", "fsdp", "zero3", "fsdp_offload",
+                         "zero3_offload"]  # the first FSDP2 rung: the least traffic between machines
+    assert "hsdp" in names(8, 4) and "hsdp" in names(24)
+    for gpus, per_node in ((1, None), (8, None), (12, None), (8, 8), (6, 4)):  # one machine, or not whole machines
+        assert "hsdp" not in names(gpus, per_node), (gpus, per_node)
+    assert plan.get_rung("multi_node_hsdp.yaml") is plan.HSDP
+    assert os.path.isfile(os.path.join(plan.CONFIG_DIR, plan.HSDP.config))
 
 
 def test_ladder_is_one_data_structure_of_existing_configs():
@@ -351,6 +382,26 @@ def test_textbook_cli(capsys):
     peaks = {config: row[2] for config, row in table(out).items()}
     assert peaks["ddp.yaml"] == 112 and peaks["deepspeed_zero1.yaml"] == 38.5
     assert peaks["deepspeed_zero2.yaml"] == 26.25 and peaks["deepspeed_zero3.yaml"] == 14
+
+
+def test_hsdp_is_recommended_where_one_machine_can_shard_the_model(capsys):
+    """8b on 2 x 8 GPUs of 28 GB (26 usable), 1024 tokens: ZeRO-1/2 keep the bf16 weights whole (14 GB)
+    and do not fit; sharded over one machine's 8 GPUs (HSDP) the model fits with 22.9 GB, the same as
+    FSDP2 full shard on one machine of 8 GPUs."""
+    code, out, _ = run_cli(capsys, "--preset", "8b", "--gpus", "16", "--gpu_memory_gb", "28", "--seq_len", "1024",
+                           "--micro_batch_size", "1")
+    assert code == 0
+    rows = table(out)
+    assert len(rows) == 9 and rows["deepspeed_zero2.yaml"][-1] == "no" and rows["multi_node_hsdp.yaml"][-1] == "yes"
+    one_machine = next(r for r in plan.evaluate(plan.model_shape("8b"), plan.Request(
+        gpus=8, gpu_memory_gb=28, seq_len=1024, micro_batch_size=1)) if r["rung"].name == "fsdp")
+    assert rows["multi_node_hsdp.yaml"][2] == pytest.approx(one_machine["peak"] / GB, abs=0.005)
+    assert rows["multi_node_hsdp.yaml"][0] == pytest.approx(2 * rows["fsdp.yaml"][0], abs=0.01)
+    assert "fits: multi_node_hsdp.yaml (HSDP) is the cheapest config that fits: peak 22.9 of 26 GB" in out
+    assert ("accelerate launch --config_file accelerate_configs/multi_node_hsdp.yaml --num_machines 2 "
+            "--num_processes 16 --parallelism_config_dp_replicate_size 2 --parallelism_config_dp_shard_size 8 "
+            "recipes/train.py --preset 8b --seq_len 1024 --micro_batch_size 1") in out
+    assert "on every machine, with --machine_rank 0..1 and --main_process_ip <machine 0>" in out
 
 
 def test_launch_line_flags():

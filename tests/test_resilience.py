@@ -439,23 +439,35 @@ def damage_delete_optimizer(ckpt: Path) -> str:
     return "optimizer.bin is missing"
 
 
-def damage_in_place(ckpt: Path) -> str:
-    """Same size, broken header: only the reader can tell."""
+def break_header(ckpt: Path) -> None:
+    """Same size, broken header."""
     file = ckpt / "model.safetensors"
     data = bytearray(file.read_bytes())
     data[:8] = b"\xff" * 8
     file.write_bytes(bytes(data))
+
+
+def damage_in_place(ckpt: Path) -> str:
+    break_header(ckpt)
+    return "model.safetensors does not match its xxh3_128 checksum"  # found before anything loads
+
+
+def damage_in_place_unverified(ckpt: Path) -> str:
+    """With --verify_checkpoint false only the reader can tell: its failure is still one line."""
+    break_header(ckpt)
     return "could not be loaded (SafetensorError"
 
 
-@pytest.mark.parametrize("damage", [damage_truncate, damage_delete_optimizer, damage_in_place])
+@pytest.mark.parametrize("damage", [damage_truncate, damage_delete_optimizer, damage_in_place,
+                                    damage_in_place_unverified])
 def test_a_damaged_checkpoint_is_refused_naming_the_file(damage, tmp_path, hf_home, train_run):
     ckpt = tmp_path / "checkpoints" / "step_30"
     shutil.copytree(train_run.output_dir / "checkpoints" / "step_30", ckpt)
     message = damage(ckpt)
     before = checksums(ckpt)
+    unverified = ["--verify_checkpoint", "false"] if damage is damage_in_place_unverified else []
     proc = launch("train.py", TRAIN_ARGS + ["--resume_from_checkpoint", str(ckpt),
-                                            "--output_dir", str(tmp_path / "out")],
+                                            "--output_dir", str(tmp_path / "out")] + unverified,
                   hf_home, check=False)
     assert proc.returncode != 0
     ours = error_lines(proc.stderr)

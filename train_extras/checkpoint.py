@@ -15,9 +15,14 @@ an old checkpoint is first renamed aside (`.step_<N>.deleting`) and only then re
 during rotation never leaves a half-deleted folder that looks complete. Leftovers of a crash are
 cleared by the next save. Requires the output folder on a filesystem every rank sees.
 
-Before a resume, `verify` checks each listed file exists with its recorded size (a truncated or
-missing file is named before any model is built), and `load` turns any remaining load failure into
-one line naming the checkpoint.
+Content checksums: every file's xxh3-128 digest is recorded in checkpoint.json as the save commits
+(read back from the page cache right after writing, split over the ranks and over threads), and
+before a resume `verify` checks each file's size and then its digest, before any model is built:
+bit rot, a bad copy or a file overwritten in place is one line naming the file. `auto` then falls
+back to the newest checkpoint that verifies, setting the damaged ones aside as `step_<N>.damaged`
+(kept, never deleted, out of auto's and rotation's way). --verify_checkpoint false checks sizes
+only. (xxh3 runs at ~25 GB/s on one core here; benchmarks/checkpoint_checksums.py measures the cost.)
+`load` turns any remaining load failure into one line naming the checkpoint.
 
 The export at the end of a run is common/export.py.
 """
@@ -30,15 +35,20 @@ import json
 import os
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
-from accelerate.utils import DistributedType
+import xxhash
+from accelerate.utils import DistributedType, gather_object
 
 from common.config import ConfigError, data_parallel_size, one_line, tensor_parallel_size
 from common.files import write_json
 from train_extras import parallel
+from train_extras.output_dir import disk_full, free_bytes
 
 CHECKPOINT_DIR = "checkpoints"
 METADATA = "checkpoint.json"
+DIGEST = "xxh3_128"  # non-cryptographic: it finds damage, not tampering
+_CHUNK = 16 << 20
 
 def list_complete(output_dir: str | Path) -> list[Path]:
     """Complete checkpoints (step_<N> with checkpoint.json), oldest first by step number."""
@@ -72,19 +82,87 @@ def read_metadata(path: str | Path) -> dict:
     return meta
 
 
-def verify(path: str | Path) -> dict:
-    """Every file the save wrote is there with its size; return checkpoint.json. Cheap (no
-    reading of the data), so it runs on every resume before any heavy work."""
+def file_digest(path: Path, sync: bool = False) -> str:
+    """xxh3-128 of a file's bytes (and, with sync, the file fsynced first)."""
+    digest, buffer = xxhash.xxh3_128(), bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb") as f:
+        if sync:
+            os.fsync(f.fileno())
+        while n := f.readinto(buffer):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def _digests(folder: Path, names: list[str], accelerator, sync: bool = False) -> dict:
+    """{name: digest} of every file, each rank reading its share (names[rank::world]) with a few
+    threads (xxhash and file reads release the GIL); every rank gets the whole answer."""
+    world = accelerator.num_processes if accelerator is not None else 1
+    rank = accelerator.process_index if accelerator is not None else 0
+    mine = names[rank::world]
+    with ThreadPoolExecutor(max_workers=max(1, min(8, len(mine), os.cpu_count() or 1))) as pool:
+        found = dict(zip(mine, pool.map(lambda name: file_digest(folder / name, sync), mine)))
+    if world > 1:
+        found = {k: v for part in gather_object([found]) for k, v in part.items()}
+    return found
+
+
+def verify(path: str | Path, accelerator=None, contents: bool = True) -> dict:
+    """Every file the save wrote is there with its size and (contents=True, where checkpoint.json
+    has them) its checksum; returns checkpoint.json. With an accelerator, call on every rank: they
+    share the reading. Raises ConfigError naming the first damaged file."""
     path = Path(path)
     meta = read_metadata(path)
+    damaged = None
     for name, size in meta["files"].items():
         file = path / name
         if not file.is_file():
-            raise ConfigError(f"checkpoint {path} is damaged: {file} is missing; resume from an older checkpoint")
-        if file.stat().st_size != size:
-            raise ConfigError(f"checkpoint {path} is damaged: {file} has {file.stat().st_size} bytes, the save "
-                              f"wrote {size} (truncated or overwritten); resume from an older checkpoint")
+            damaged = f"{file} is missing"
+        elif file.stat().st_size != size:
+            damaged = f"{file} has {file.stat().st_size} bytes, the save wrote {size} (truncated or overwritten)"
+        if damaged:
+            break
+    checksums = meta.get("checksums") or {}
+    if damaged is None and contents and checksums:
+        found = _digests(path, sorted(checksums), accelerator)
+        bad = [name for name in sorted(checksums) if found[name] != checksums[name]]
+        if bad:
+            damaged = (f"{path / bad[0]} does not match its {DIGEST} checksum (changed since it was written: bit rot, "
+                       f"a bad copy or an overwrite{f'; {len(bad) - 1} more file(s) too' if len(bad) > 1 else ''})")
+    if damaged:
+        raise ConfigError(f"checkpoint {path} is damaged: {damaged}; resume from an older checkpoint")
     return meta
+
+
+def resume_point(cfg, accelerator) -> tuple[Path | None, dict | None]:
+    """The checkpoint to resume from and its checkpoint.json, verified (every rank calls this).
+    An explicit path that fails is an error. With `auto` the newest that verifies; the newer,
+    damaged ones are then set aside as step_<N>.damaged (kept, out of auto's and rotation's way),
+    and the run says so. None verifying is an error (nothing is moved): a person must look."""
+    path = resolve_resume(cfg)
+    if path is None or cfg.resume_from_checkpoint != "auto":
+        return path, None if path is None else verify(path, accelerator, cfg.verify_checkpoint)
+    damaged = []
+    for candidate in reversed(list_complete(cfg.output_dir)):
+        try:
+            meta = verify(candidate, accelerator, cfg.verify_checkpoint)
+        except ConfigError as err:
+            damaged.append((candidate, err))
+            continue
+        accelerator.wait_for_everyone()  # every rank has read them before they move
+        if accelerator.is_main_process:
+            for bad, err in damaged:
+                print(f"warning: {err}", flush=True)
+                if not cfg.eval_only:  # which writes nothing into the folder but its summary
+                    bad.rename(bad.with_name(bad.name + ".damaged"))
+            if damaged:
+                print(f"warning: resuming from {candidate}, the newest checkpoint that verifies"
+                      + ("" if cfg.eval_only else f"; set aside: {', '.join(b.name + '.damaged' for b, _ in damaged)}"),
+                      flush=True)
+        accelerator.wait_for_everyone()
+        return candidate, meta
+    raise ConfigError(f"no checkpoint in {Path(cfg.output_dir) / CHECKPOINT_DIR} verifies (newest: {damaged[0][1]}); "
+                      "nothing was moved: restore the folder from a copy, or start afresh in another --output_dir")
 
 
 # Strategies whose checkpoints hold full (unsharded) model and optimizer states: any of them
@@ -97,11 +175,11 @@ STREAM_IDENTITY = ("data_files", "dataset_name", "dataset_config", "dataset_spli
                    "add_bos", "seq_len", "seed", "tokenizer_name_or_path", "model_name_or_path")
 
 
-def check_compatible(path: str | Path, cfg, accelerator) -> dict:
+def check_compatible(path: str | Path, cfg, accelerator, meta: dict | None = None) -> dict:
     """Refuse, before any heavy work, a checkpoint this run cannot continue: another model, another
-    strategy, another global batch, or a world-size change the strategy cannot reshard. Returns
-    checkpoint.json (verified)."""
-    meta = verify(path)
+    strategy, another global batch, or a world-size change the strategy cannot reshard. `meta`: its
+    checkpoint.json as resume_point verified it (else its sizes are checked here). Returns it."""
+    meta = meta or verify(path, contents=False)
     meta_file = Path(path) / METADATA
     saved_cfg, saved_setup = meta.get("config", {}), meta.get("setup", {})
     saved_model = saved_cfg.get("model_name_or_path") or f"preset {saved_cfg.get('preset')!r}"
@@ -189,17 +267,6 @@ def check_output_dir(cfg, start_step: int) -> None:
             f"(step {start_step}): use --resume_from_checkpoint auto to continue it, or another --output_dir")
 
 
-def _fsync_tree(folder: Path) -> dict:
-    """fsync every file under folder (so the rename below cannot reach the disk before the data
-    does) and return {relative path: size}."""
-    files = {}
-    for file in sorted(p for p in folder.rglob("*") if p.is_file()):
-        with open(file, "rb") as f:
-            os.fsync(f.fileno())
-        files[file.relative_to(folder).as_posix()] = file.stat().st_size
-    return files
-
-
 def _fsync_dir(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
@@ -221,13 +288,26 @@ def save(accelerator, output_dir: str | Path, step: int, metadata: dict, keep: i
         for leftover in list(root.glob(".step_*.partial")) + list(root.glob(".step_*.deleting")):
             shutil.rmtree(leftover, ignore_errors=True)  # left by a crash during an earlier save
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(partial))  # every rank writes its part (shards, RNG)
-    if parallel.layout(accelerator) is not None:
-        parallel.save_sharded(model, optimizer, partial)
-    accelerator.wait_for_everyone()
+
+    def write_state():
+        accelerator.save_state(str(partial))  # every rank writes its part (shards, RNG)
+        if parallel.layout(accelerator) is not None:
+            parallel.save_sharded(model, optimizer, partial)
+
+    _unless_disk_full(write_state, accelerator, root, partial, final)
+    # Every file fsynced (so the rename below cannot reach the disk before the data does) and its
+    # checksum taken from the bytes just written, the ranks sharing the work.
+    names = sorted(p.relative_to(partial).as_posix() for p in partial.rglob("*") if p.is_file())
+    checksums = _digests(partial, names, accelerator, sync=True)
+
+    def write_metadata():
+        if accelerator.is_main_process:
+            files = {name: (partial / name).stat().st_size for name in names}
+            write_json(partial / METADATA, {"step": step, **metadata, "files": files, "checksum": DIGEST,
+                                            "checksums": checksums})
+
+    _unless_disk_full(write_metadata, accelerator, root, partial, final)
     if accelerator.is_main_process:
-        files = _fsync_tree(partial)
-        write_json(partial / METADATA, {"step": step, **metadata, "files": files})
         replaced = root / f".step_{step}.deleting"
         if final.exists():  # the same step saved before (e.g. a rerun): set it aside only now
             final.rename(replaced)
@@ -241,6 +321,36 @@ def save(accelerator, output_dir: str | Path, step: int, metadata: dict, keep: i
                 shutil.rmtree(trash)
     accelerator.wait_for_everyone()
     return final
+
+
+LOW_SPACE = 64 << 20  # torch.save's error on a full disk names no cause ("unexpected pos"): so is this little left
+
+
+def _unless_disk_full(write, accelerator, root: Path, partial: Path, final: Path) -> None:
+    """Run write() on every rank; if the disk (or quota) filled on any of them, every rank stops with
+    one line, the partial checkpoint removed and the complete ones untouched."""
+    try:
+        write()
+        failure = None
+    except Exception as err:  # noqa: BLE001 - each writer reports a full disk its own way
+        free = free_bytes(root)
+        if not (disk_full(err) or (free is not None and free < LOW_SPACE)):
+            raise
+        failure = one_line(err)
+    failures = [f for f in (gather_object([failure]) if accelerator.num_processes > 1 else [failure]) if f]
+    if not failures:
+        return
+    if accelerator.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    complete = list_complete(root.parent)
+    need = (f"; the last checkpoint took {sum(read_metadata(complete[-1])['files'].values()) / 1e6:,.0f} MB"
+            if complete else "")
+    free = free_bytes(root)
+    raise ConfigError(f"disk full while saving {final} ({failures[0]}){need}, "
+                      f"{(free or 0) / 1e6:,.0f} MB free now: the partial save was removed and "
+                      f"{len(complete)} complete checkpoint(s) kept; free space and rerun with "
+                      "--resume_from_checkpoint auto")
 
 
 def load(accelerator, path: str | Path, optimizer, scheduler, model=None) -> None:

@@ -15,7 +15,12 @@ class CheckpointOptions:
     save_total_limit: int = field(default=0, metadata={"help": "Keep only the newest N checkpoints; 0 = keep all."})
     resume_from_checkpoint: str | None = field(
         default=None,
-        metadata={"help": "'auto' (newest complete checkpoint in output_dir, else start afresh) or a checkpoint."})
+        metadata={"help": "'auto' (newest complete checkpoint in output_dir that verifies, else start afresh) or "
+                          "a checkpoint."})
+    verify_checkpoint: bool = field(
+        default=True,
+        metadata={"help": "Before resuming, check every checkpoint file's content against its xxh3 checksum "
+                          "(false: sizes only; damage in place then goes unseen)."})
     save_on_preemption: bool = field(
         default=True,
         metadata={"help": "On SIGTERM/SIGUSR1: finish the step, save a checkpoint, write requeue.json, exit 75."})

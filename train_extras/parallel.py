@@ -28,6 +28,10 @@ dimension ("Cannot concatenate overlapping meshes"), and accelerate 1.15's own 2
 it (ImportError ReplicateParallel). parallelize_module also works on a model built in memory (a
 random-init preset), where tp_plan needs a saved folder.
 
+HSDP (accelerate_configs/multi_node_hsdp.yaml: FSDP2 over dp_shard, replicated over dp_replicate)
+needs nothing here: accelerate shards on its 2-D mesh itself. `check` refuses a dp_shard mesh that
+accelerate would run as DDP, and `describe_mesh` names HSDP in the setup block.
+
 The sharded model is not passed to `accelerator.prepare` (accelerate 1.15 accepts a TP model only
 from transformers' tp_plan loading: NotImplementedError otherwise); the optimizer neither, so
 accelerate's save_state keeps what it can save (scheduler, every rank's RNG) and the model and
@@ -37,6 +41,8 @@ optimizer go to torch.distributed.checkpoint (save_sharded/load_sharded).
 from __future__ import annotations
 
 import fnmatch
+import math
+import os
 from pathlib import Path
 from types import MethodType
 
@@ -48,16 +54,52 @@ from common.config import ConfigError, tensor_parallel_size
 SHARDED_STATE_DIR = "model_optimizer_dcp"  # inside a checkpoint folder
 
 
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "sp", "tp")  # accelerate's parallelism_config sizes
+
+
+def check_launch_sizes(recipe: str, environ=None) -> None:
+    """Before the Accelerator builds its device mesh: the launch's process count must be the product
+    of the config's parallelism_config sizes (otherwise torch stops inside accelerate with "Mesh
+    should not be bigger than default world size", a traceback). accelerate launch passes the
+    sizes as PARALLELISM_CONFIG_<DIM>_SIZE and the process count as WORLD_SIZE."""
+    environ = os.environ if environ is None else environ
+    if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+        return
+    sizes = {dim: int(environ.get(f"PARALLELISM_CONFIG_{dim.upper()}_SIZE", "1")) for dim in MESH_DIMS}
+    needed, launched = math.prod(sizes.values()), int(environ.get("WORLD_SIZE", "1"))
+    if needed != launched and min(sizes.values()) >= 1:
+        shown = " x ".join(f"{dim}_size {n}" for dim, n in sizes.items() if n > 1)
+        raise ConfigError(f"{recipe}: the launch config's parallelism_config ({shown}) needs {needed} processes; "
+                          f"this launch has {launched}: launch with --num_processes {needed}, or choose sizes "
+                          f"whose product is {launched}")
+
+
 def layout(accelerator) -> dict | None:
     """{"dp_shard": M, "tp": N} when the launch config asks for tensor parallelism, else None."""
     tp = tensor_parallel_size(accelerator)
     return {"dp_shard": accelerator.parallelism_config.dp_shard_size, "tp": tp} if tp > 1 else None
 
 
+def describe_mesh(accelerator) -> dict:
+    """The setup block's row for HSDP (accelerate's own FSDP2 on its dp_replicate x dp_shard mesh), else {}."""
+    pc = accelerator.parallelism_config
+    if pc is None or not pc.dp_replicate_enabled or accelerator.distributed_type.value != "FSDP":
+        return {}
+    return {"mesh": f"dp_replicate {pc.dp_replicate_size} x dp_shard {pc.dp_shard_size} (HSDP: "
+                    f"{pc.dp_replicate_size} copies, each sharded over {pc.dp_shard_size} ranks)"}
+
+
 def check(accelerator, cfg, model_config, recipe: str) -> None:
-    """Refuse, before any model is built, a TP launch this code does not run correctly."""
+    """Refuse, before any model is built, a parallelism_config launch this code does not run correctly."""
     shape = layout(accelerator)
     pc = accelerator.parallelism_config
+    if shape is None:  # no TP: accelerate's own data parallelism (FSDP2 shards on its mesh, HSDP included)
+        if pc is not None and pc.dp_shard_size > 1 and accelerator.distributed_type.value in ("MULTI_GPU", "MULTI_CPU"):
+            # accelerate shards on the mesh only under FSDP; otherwise it wraps the whole model in DDP
+            raise ConfigError(f"{recipe}: parallelism_config dp_shard_size {pc.dp_shard_size} asks for sharding, but "
+                              f"accelerate runs {accelerator.distributed_type.value}, which replicates the model: "
+                              "use distributed_type FSDP (accelerate_configs/multi_node_hsdp.yaml)")
+        return
     if pc.dp_replicate_size > 1 or pc.cp_size > 1 or pc.sp_size > 1:
         raise ConfigError(f"{recipe}: parallelism_config may set dp_shard_size and tp_size only "
                           f"(got dp_replicate {pc.dp_replicate_size}, cp {pc.cp_size}, sp {pc.sp_size})")

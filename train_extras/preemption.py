@@ -41,9 +41,10 @@ from pathlib import Path
 
 import torch
 
-from common.config import RecipeStop, one_line
+from common.config import ConfigError, RecipeStop, one_line
 from common.config import run_cli as config_run_cli
 from common.files import write_json
+from train_extras.output_dir import disk_full, remove_unused
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 REQUEUE_MARKER = "requeue.json"
@@ -130,11 +131,16 @@ def _is_collective_failure(err: BaseException) -> bool:
 
 def run_cli(main, argv: list[str] | None = None) -> int:
     """config.run_cli, plus: a collective that failed because another rank died or hung (after
-    --collective_timeout) ends this rank with one line and exit code 4 instead of a hang."""
+    --collective_timeout) ends this rank with one line and exit code 4 instead of a hang; a full
+    disk anywhere is one line (exit 2)."""
     def main_or_lost_rank(argv):
         try:
             main(argv)
         except Exception as err:
+            remove_unused()  # an output folder this run made and never wrote into
+            if disk_full(err):  # a metrics line, the summary or the export on a full disk (saves say more)
+                raise ConfigError(f"disk full: {one_line(err)}; free space, then rerun with "
+                                  "--resume_from_checkpoint auto") from None
             if not _is_collective_failure(err):
                 raise
             import torch.distributed as dist

@@ -129,20 +129,22 @@ def memory_in_use(device: torch.device) -> dict:
     return out
 
 
-def replica_max_difference(model: nn.Module, accelerator) -> float:
-    """Largest difference, over the whole run's TP groups, between the copies of what TP does not
-    split (norms, and in train.py's route embeddings and LM head; their FSDP2 shards in 2D).
+def replica_max_difference(model: nn.Module, accelerator, dim: str = "tp") -> float:
+    """Largest difference, over the whole run's groups along mesh dimension `dim`, between the copies
+    each rank of a group holds. "tp": what TP does not split (norms, and in train.py's route
+    embeddings and LM head; their FSDP2 shards in 2D). "dp_replicate" (HSDP): every parameter shard,
+    held once per replica.
 
-    Every TP rank updates its copy itself from gradients that should be bitwise equal; a
+    Every rank updates its copy itself from gradients that should be bitwise equal; a
     nondeterministic kernel would let the copies drift apart silently, and the export reads rank 0's.
     Collective: call on every rank."""
     import torch.distributed as dist
 
-    group = accelerator.torch_device_mesh["tp"].get_group()
+    group = accelerator.torch_device_mesh[dim].get_group()
     worst = torch.zeros((), device=accelerator.device)
     for param in model.parameters():
         mesh = getattr(param, "device_mesh", None)
-        if mesh is not None and "tp" in mesh.mesh_dim_names:
+        if dim == "tp" and mesh is not None and "tp" in mesh.mesh_dim_names:
             continue  # split by TP: no copies
         local = (param.to_local() if hasattr(param, "to_local") else param).detach()
         first = local.clone()

@@ -9,8 +9,8 @@ With ACCELERATE_RECIPES_PROBE_DIR set, each rank appends JSON lines to <dir>/ran
   {"ddp_buckets": [...]}     DDP gradient buckets all-reduced per micro-step of the first optimizer
                              step (ACCELERATE_RECIPES_PROBE_DDP_BUCKETS=1)
   {"final": {...}}           at end_training: peak memory, what the strategy built, parameter sharding, optimizer
-                             groups, the model's class, tied embeddings, tensor-parallel layout and
-                             replica drift, and fp32 logits of the trained model on PROBE_INPUT_IDS
+                             groups, the model's class, tied embeddings, tensor-parallel or HSDP
+                             layout and replica drift, and fp32 logits of the trained model on PROBE_INPUT_IDS
 With ACCELERATE_RECIPES_FAULT=<phase>@<step>, the main process stops dead (os._exit, like a kill -9
 or a node loss) at that phase of that step's checkpoint save:
   after_shard      its part of save_state is written; the other ranks may still be writing
@@ -22,6 +22,8 @@ file, which the session's first call writes: DeepSpeed calls it three times per 
 (CPU Adam and its op builders), each a ~3.5 s subprocess that times the CPU's clock, which made up a
 third of a 2-rank ZeRO-3 offload launch on 2 cores. The answer is this machine's, so nothing changes
 but the wait.
+With ACCELERATE_RECIPES_DISK_FULL_AT=step_<N>, saving model weights into that step's checkpoint
+writes half the file and fails with ENOSPC (for machines where a test cannot mount a small tmpfs).
 With ACCELERATE_RECIPES_SLOW_DATA=<seconds>, rank 0's first datasets.map (its tokenising on first
 use) sleeps that long first: a corpus that takes longer to prepare than a collective may wait.
 With probes on, a streamed training loader's rows are recorded by content: {"stream_rows": [...]}.
@@ -224,6 +226,9 @@ def _final_facts(accelerator, facts) -> dict:
     if any("tp" in names for names in meshes):
         out["tensor_parallel_parameters"] = facts.parameter_layout(model)
         out["tensor_parallel_replica_max_difference"] = facts.replica_max_difference(model, accelerator)
+    elif any("dp_replicate" in names for names in meshes):  # HSDP: sharded per replica
+        out["hsdp_parameters"] = facts.parameter_layout(model)
+        out["hsdp_replica_max_difference"] = facts.replica_max_difference(model, accelerator, "dp_replicate")
     was_training = unwrapped.training
     unwrapped.eval()
     with torch.no_grad():  # the trained model's own logits, fp32, to compare with the export
@@ -327,6 +332,28 @@ def _slow_data_preparation(seconds: float) -> None:
     datasets.Dataset.map = slow_map
 
 
+def _disk_full_at(folder_name: str) -> None:
+    """safetensors' writer, for files inside a folder named `folder_name` (e.g. ".step_20.partial"):
+    half the file is written, then ENOSPC, as a full disk does."""
+    import errno
+
+    import safetensors.torch
+    from accelerate.utils import other
+
+    save_file = other.safe_save_file
+
+    def full_disk_save_file(tensors, filename, *args, **kwargs):
+        if Path(filename).parent.name != folder_name:
+            return save_file(tensors, filename, *args, **kwargs)
+        data = safetensors.torch.save(tensors, *args, **kwargs)
+        Path(filename).write_bytes(data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device", str(filename))
+
+    other.safe_save_file = full_disk_save_file
+
+
+if os.environ.get("ACCELERATE_RECIPES_DISK_FULL_AT"):
+    _disk_full_at("." + os.environ["ACCELERATE_RECIPES_DISK_FULL_AT"] + ".partial")
 if os.environ.get("ACCELERATE_RECIPES_SLOW_DATA") and _rank() == 0 and "LOCAL_RANK" in os.environ:
     _slow_data_preparation(float(os.environ["ACCELERATE_RECIPES_SLOW_DATA"]))
 if os.environ.get("ACCELERATE_RECIPES_CPUINFO_CACHE"):

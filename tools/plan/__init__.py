@@ -5,13 +5,14 @@
     python -m tools.plan --params 7e9 --gpus 8 --textbook
     python -m tools.plan --preset 8b --gpus 1 --gpu_memory_gb 16 --host_memory_gb 64
 
-For every rung of LADDER (cheapest first) it prints the memory per GPU, split into parameters,
-gradients, optimizer states (master copies included), framework buffers, activations and logits,
-at rest and at peak, and the CPU RAM per process; marks what fits ("tight" when the peak is above
-90% of the usable memory); names the cheapest config in accelerate_configs/ that fits with headroom
-(the cheapest tight one, with a warning, when only tight ones fit) with its launch line; and when
-nothing fits, checks concretely what would (more GPUs, more CPU RAM, activation checkpointing, a
-smaller micro-batch, offload) and names those that work. Units: 1 GB = 1e9 bytes.
+For every rung of LADDER (cheapest first; plus HSDP when --gpus spans several whole machines of
+--gpus_per_node) it prints the memory per GPU, split into parameters, gradients, optimizer states
+(master copies included), framework buffers, activations and logits, at rest and at peak, and the
+CPU RAM per process; marks what fits ("tight" when the peak is above 90% of the usable memory);
+names the cheapest config in accelerate_configs/ that fits with headroom (the cheapest tight one,
+with a warning, when only tight ones fit) with its launch line; and when nothing fits, checks
+concretely what would (more GPUs, more CPU RAM, activation checkpointing, a smaller micro-batch,
+offload) and names those that work. Units: 1 GB = 1e9 bytes.
 The presets use the byte tokenizer's 259-token vocabulary (the '8b' preset is 6.98B parameters; a
 real Llama-3-8B config, 128k vocabulary, is 8.03B with ~500x larger logits): for a real model pass
 --model_name_or_path to a local folder with its config.json. The output says so for presets.
@@ -105,12 +106,13 @@ inf or nan), with one line "error: ..." on stderr.
 from tools.plan.activations import SavedBytes, activation_bytes, live_tracker, probe_block, probe_head, regime_of
 from tools.plan.advice import TIGHT, Request, advice, cheapest, evaluate, launch_line, more_gpus, smallest_gpu_count
 from tools.plan.cli import main, render
-from tools.plan.ladder import (CONFIG_DIR, GB, LADDER, RUNGS, SINGLE, ModelShape, PlanError, Rung, get_rung, ladder,
-                                load_config, model_shape)
+from tools.plan.ladder import (CONFIG_DIR, GB, HSDP, LADDER, RUNGS, SINGLE, ModelShape, PlanError, Rung, get_rung,
+                                ladder, load_config, model_shape)
 from tools.plan.states import (CATEGORIES, INIT_MOMENTS, TRANSIENTS, WHEN, model_state_bytes, textbook_bytes,
                                 zero3_init, zero_settings)
 
-__all__ = ["CATEGORIES", "CONFIG_DIR", "GB", "INIT_MOMENTS", "LADDER", "RUNGS", "SINGLE", "TIGHT", "TRANSIENTS", "WHEN",
+__all__ = ["CATEGORIES", "CONFIG_DIR", "GB", "HSDP", "INIT_MOMENTS", "LADDER", "RUNGS", "SINGLE", "TIGHT", "TRANSIENTS",
+           "WHEN",
            "ModelShape", "PlanError", "Request", "Rung", "SavedBytes", "activation_bytes", "advice", "cheapest",
            "evaluate", "get_rung", "ladder", "launch_line", "live_tracker", "load_config", "main", "model_shape",
            "model_state_bytes", "more_gpus", "probe_block", "probe_head", "regime_of", "render", "smallest_gpu_count",

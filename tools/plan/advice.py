@@ -7,7 +7,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from tools.plan.ladder import GB, LADDER, MAX_GPUS, ModelShape, Rung, ladder
+from tools.plan.ladder import GB, GPUS_PER_NODE, LADDER, MAX_GPUS, ModelShape, Rung, ladder
 from tools.plan.activations import activation_bytes, regime_of
 from tools.plan.states import model_state_bytes
 
@@ -31,7 +31,7 @@ class Request:
 
     @property
     def procs_per_node(self) -> int:
-        return min(self.gpus, self.gpus_per_node or 8)
+        return min(self.gpus, self.gpus_per_node or GPUS_PER_NODE)
 
 
 TIGHT = 0.9  # a peak above this share of the usable GPU memory is printed "tight"
@@ -49,8 +49,8 @@ def evaluate(model: ModelShape | float, req: Request) -> list[dict]:
     shape = model if isinstance(model, ModelShape) else None
     n_params = shape.n_params if shape else float(model)
     rows = []
-    for rung in ladder(req.gpus):
-        states = model_state_bytes(rung, n_params, req.gpus, req.precision, shape, req.textbook)
+    for rung in ladder(req.gpus, req.gpus_per_node):
+        states = model_state_bytes(rung, n_params, req.gpus, req.precision, shape, req.textbook, req.gpus_per_node)
         dev, tr = states["at_step"]["device"], states["transient"]
         act = (activation_bytes(shape, regime_of(rung, req.precision), req.seq_len, req.micro_batch_size,
                                 req.activation_checkpointing) if shape else None)
@@ -87,6 +87,11 @@ def cheapest(rows: list[dict]) -> dict | None:
 def launch_line(rung: Rung, req: Request, model_args: str) -> str:
     """The command that trains with this rung (train.py supports every config)."""
     parts = ["accelerate launch", f"--config_file accelerate_configs/{rung.config}", f"--num_processes {req.gpus}"]
+    if rung.hybrid:  # the mesh: one replica per machine, sharded over its GPUs
+        machines = req.gpus // req.procs_per_node
+        parts[2:2] = [f"--num_machines {machines}"]
+        parts += [f"--parallelism_config_dp_replicate_size {machines}",
+                  f"--parallelism_config_dp_shard_size {req.procs_per_node}"]
     if req.precision != "bf16":  # every config in the ladder says bf16
         parts.append(f"--mixed_precision {'no' if req.precision == 'fp32' else 'fp16'}")
     if req.activation_checkpointing and rung.framework == "fsdp":

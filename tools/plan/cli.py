@@ -24,8 +24,9 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--model_name_or_path", help="local folder with a Hugging Face config.json (nothing is downloaded)")
     m.add_argument("--params", type=float, help="parameter count only (e.g. 7e9): model states only")
     p.add_argument("--gpus", type=int, default=1, help="GPUs (processes), default 1")
-    p.add_argument("--gpus_per_node", type=int, help="GPUs per machine, for the host RAM check (processes per "
-                                                      "machine: min(--gpus, this)); default 8")
+    p.add_argument("--gpus_per_node", type=int, help="GPUs per machine: the host RAM check (processes per "
+                                                      "machine: min(--gpus, this)) and HSDP's shard group (the HSDP "
+                                                      "rung appears when --gpus is a multiple > 1 of it); default 8")
     p.add_argument("--host_memory_gb", type=float,
                    help="CPU RAM per machine, GB; checked against every process's CPU RAM (offload, and the fp32 "
                         "model each process builds on the CPU). Default: not checked")
@@ -175,6 +176,9 @@ def render(model, req: Request, rows: list[dict], model_args: str) -> str:
                    f"{' (tight)' if best['tight'] else ''}: peak {best['peak'] / GB:.1f} of {req.usable / GB:g} GB "
                    "usable per GPU")
         out.append(f"  {launch_line(best['rung'], req, model_args)}")
+        if best["rung"].hybrid:
+            out.append(f"  on every machine, with --machine_rank 0..{req.gpus // req.procs_per_node - 1} and "
+                       "--main_process_ip <machine 0> (accelerate_configs/multi_node_hsdp.yaml's header)")
         if not shape:
             out.append("  (judged on model states only: add the shape with --preset or --model_name_or_path)")
         if best["rung"].offload:  # offload is slow: say what would avoid it

@@ -30,6 +30,7 @@ class Rung:
     stage: int = 0  # ZeRO stage (DeepSpeed only)
     reshard: bool = True  # FSDP2 reshard_after_forward
     offload: bool = False  # parameters + optimizer state in CPU RAM
+    hybrid: bool = False  # HSDP: FSDP2 over the GPUs of one machine, one sharded copy per machine
     label: str = ""
 
 
@@ -45,19 +46,31 @@ LADDER: tuple[Rung, ...] = (
     Rung("zero3_offload", "deepspeed_zero3_offload.yaml", "deepspeed", stage=3, offload=True, label="ZeRO-3 + offload"),
 )
 SINGLE = Rung("single", "single_gpu.yaml", "single", label="single GPU")
-RUNGS = {r.name: r for r in (SINGLE,) + LADDER} | {r.config: r for r in (SINGLE,) + LADDER}
+# Only over whole machines (ladder() below): per GPU, FSDP2 full shard with W = GPUs per machine.
+HSDP = Rung("hsdp", "multi_node_hsdp.yaml", "fsdp", hybrid=True, label="HSDP")
+RUNGS = {r.name: r for r in (SINGLE, HSDP) + LADDER} | {r.config: r for r in (SINGLE, HSDP) + LADDER}
+GPUS_PER_NODE = 8  # when --gpus_per_node is not given
 
 
-def ladder(gpus: int) -> tuple[Rung, ...]:
-    """The rungs for this GPU count: with one GPU the first rung is a plain single-GPU run."""
-    return ((SINGLE,) + LADDER[1:]) if gpus == 1 else LADDER
+def ladder(gpus: int, gpus_per_node: int | None = None) -> tuple[Rung, ...]:
+    """The rungs for this GPU count: with one GPU the first rung is a plain single-GPU run. Over
+    several whole machines HSDP comes first of the FSDP2 rungs: across machines it sends only an
+    all-reduce of each GPU's 1/G gradient shard, where they send every all-gather and reduce-scatter."""
+    if gpus == 1:
+        return (SINGLE,) + LADDER[1:]
+    per_node = gpus_per_node or GPUS_PER_NODE
+    if gpus > per_node and gpus % per_node == 0:
+        first_fsdp = next(i for i, r in enumerate(LADDER) if r.framework == "fsdp")
+        return LADDER[:first_fsdp] + (HSDP,) + LADDER[first_fsdp:]
+    return LADDER
 
 
 def get_rung(rung: Rung | str) -> Rung:
     if isinstance(rung, Rung):
         return rung
     if rung not in RUNGS:
-        raise PlanError(f"unknown rung {rung!r}; choose one of {', '.join(r.name for r in (SINGLE,) + LADDER)}")
+        names = ", ".join(r.name for r in (SINGLE,) + LADDER + (HSDP,))
+        raise PlanError(f"unknown rung {rung!r}; choose one of {names}")
     return RUNGS[rung]
 
 

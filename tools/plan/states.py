@@ -7,7 +7,7 @@ import functools
 import json
 import os
 
-from tools.plan.ladder import CONFIG_DIR, DTYPE_BYTES, ModelShape, PlanError, Rung, get_rung
+from tools.plan.ladder import CONFIG_DIR, DTYPE_BYTES, GPUS_PER_NODE, ModelShape, PlanError, Rung, get_rung
 
 
 # When a term is present. "rest": between steps (after zero_grad(set_to_none=True)) and also at the
@@ -91,7 +91,8 @@ def textbook_bytes(rung: Rung | str, n_params: float, world_size: int) -> dict:
 
 
 def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precision: str = "bf16",
-                      shape: ModelShape | None = None, textbook: bool = False) -> dict:
+                      shape: ModelShape | None = None, textbook: bool = False,
+                      gpus_per_node: int | None = None) -> dict:
     """Bytes PER RANK of parameters, gradients, optimizer states and framework buffers, as the
     framework of `rung` keeps them in this repo (model built in fp32; torch AdamW, DeepSpeedCPUAdam
     under ZeRO-3 offload; accelerate defaults; the DeepSpeed JSONs in accelerate_configs/).
@@ -99,9 +100,11 @@ def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precis
     precision: "bf16" | "fp16" | "fp32" (accelerate mixed_precision "no").
     shape: the model's dimensions; without it, terms that need them (bucket sizes, blocks in
     flight) are left out and named in "unknown".
+    gpus_per_node: HSDP only: the GPUs of one machine, over which it shards (default
+    min(world_size, 8)); every other rung shards over the whole world_size.
 
     Returns a dict:
-      rung, config, world_size, precision, n_params, textbook
+      rung, config, world_size, shard_group (the ranks one copy is sharded over), precision, n_params, textbook
       terms: list of {name, category (params|grads|optimizer|buffers), location (device|host),
              when (rest|step|in_flight|backward|optimizer_step|init), bytes, source, at_init (a "rest"
              term that already exists at the "setup" moment of initialisation), moment (init terms:
@@ -122,6 +125,8 @@ def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precis
     if world_size < 1:
         raise PlanError(f"world size must be >= 1, got {world_size}")
     P, W = float(n_params), world_size
+    if rung.hybrid:  # HSDP: FSDP2 full shard within one machine, its shards replicated across machines
+        W = min(world_size, gpus_per_node or GPUS_PER_NODE)
     b = DTYPE_BYTES[precision]  # compute dtype: autocast target, FSDP2 param_dtype, DeepSpeed model dtype
     terms, unknown = [], []
 
@@ -251,7 +256,8 @@ def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precis
                              "prefetch up to stage3_prefetch_bucket_size, max_live_parameters)")
             add("one module's full gradient before its reduce-scatter", "grads", "backward",
                 b * max(shape.param_numels), f"{SRC_DS3}:2006-2050 (partition_grads)")
-    else:  # FSDP2
+    else:  # FSDP2 (HSDP: the same terms over one machine's GPUs; the all-reduce across machines runs in
+        # place on the reduce-scatter output, _fsdp_collectives.py:657-662: no buffer of its own)
         off = "host" if rung.offload else "device"
         # The model is built in fp32; MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
         # (fsdp_full_shard.py, train_extras/strategy.py) only changes the all-gathered copies:
@@ -303,7 +309,8 @@ def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precis
         return max(build, setup, key=lambda d: d["total"])
 
     return dict(
-        rung=rung.name, config=rung.config, world_size=W, precision=precision, n_params=P, textbook=textbook,
+        rung=rung.name, config=rung.config, world_size=world_size, shard_group=W, precision=precision, n_params=P,
+        textbook=textbook,
         terms=terms, unknown=unknown,
         at_rest={loc: total(("rest",), loc) for loc in ("device", "host")},
         at_step={loc: total(("rest", "step"), loc) for loc in ("device", "host")},

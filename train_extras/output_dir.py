@@ -1,0 +1,104 @@
+"""One live run per output folder, a folder the run can write, and a full disk: each one line.
+
+`claim` runs before anything is written or built. Global rank 0 creates --output_dir (a path that
+cannot be created or written, such as one under a file or on a read-only mount, is one line) and
+takes an exclusive OS lock (flock) on `<output_dir>/.run.lock`, held for the life of the process.
+The kernel releases it when the process ends, however it ends (SIGKILL, the OOM killer; on NFS the
+server drops a dead client's locks), so a lock left by a dead run never blocks. A second run into
+the folder (a double submit, a requeued job whose old copy still runs) gets one line naming the
+holder's host and PID, and exits 2 having written nothing. Only rank 0 locks, so a multi-machine
+run on a shared file system has one holder; the other ranks get the outcome by broadcast. A file
+system without locks (Lustre mounted without `-o flock`) gets a warning; the run goes on unguarded.
+A folder the run created and left holding only the lock (bad input found later) is removed.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from accelerate.utils import broadcast_object_list
+
+from common.config import ConfigError
+
+LOCK_FILE = ".run.lock"
+_held = []  # the locked descriptors: open until the process ends
+_created = []  # folders this run made (remove_unused)
+
+
+def remove_unused() -> None:
+    """After a failure: a folder this run created and left with nothing but its lock (bad input
+    found after the claim, say an empty dataset) is removed, as if the run had never started."""
+    while _created:
+        folder = _created.pop()
+        try:
+            if [p.name for p in folder.iterdir()] == [LOCK_FILE]:
+                while _held:
+                    os.close(_held.pop())
+                (folder / LOCK_FILE).unlink()
+                folder.rmdir()
+        except OSError:
+            pass
+
+
+def _lock(folder: Path) -> str | None:
+    """Take the folder's lock; None, or the one-line reason this run may not use the folder."""
+    try:
+        if not folder.exists():
+            folder.mkdir(parents=True)
+            _created.append(folder)
+        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        return f"--output_dir {folder}: cannot create or write it ({err.strerror}: {err.filename})"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        except ValueError:
+            holder = {}
+        os.close(fd)
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["since"])) if "since" in holder else "?"
+        return (f"--output_dir {folder} is in use by another run (host {holder.get('host', '?')}, PID "
+                f"{holder.get('pid', '?')}, since {since}): wait for it to end or stop it, or choose another "
+                "--output_dir")
+    except OSError as err:
+        print(f"warning: {folder} cannot be locked ({err.strerror}): nothing stops a second run from writing "
+              "into it at the same time", flush=True)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}).encode(), 0)
+    except OSError as err:
+        return f"--output_dir {folder}: cannot write it ({err.strerror})"
+    _held.append(fd)
+    return None
+
+
+def claim(folder: str | Path, accelerator) -> None:
+    """Every rank calls this; raises ConfigError on every rank if rank 0 may not use the folder."""
+    reason = _lock(Path(folder)) if accelerator.is_main_process else None
+    if accelerator.num_processes > 1:
+        reason = broadcast_object_list([reason])[0]
+    if reason:
+        raise ConfigError(reason)
+
+
+def disk_full(err: BaseException) -> bool:
+    """ENOSPC, as each writer reports it: OSError, safetensors' SafetensorError ("No space left on
+    device (os error 28)"), torch.save's RuntimeError ("file write failed", with no errno)."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(err)
+    return "No space left on device" in text or "os error 28" in text or "Disk quota exceeded" in text
+
+
+def free_bytes(folder: str | Path) -> int | None:
+    try:
+        return os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
+    except OSError:
+        return None
