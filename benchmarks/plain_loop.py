@@ -7,6 +7,9 @@ intervals reported. What it leaves out is exactly what train.py adds: the Accele
 wrappers, token-normalised loss over ranks, the NaN check, the preemption vote, the progress bar.
 
     OMP_NUM_THREADS=2 python benchmarks/plain_loop.py --preset tiny --max_steps 30 --output_dir /tmp/plain
+    OMP_NUM_THREADS=2 python benchmarks/plain_loop.py --bare ...   # forward, backward, AdamW, zero_grad only
+
+--bare: the bare step of the model (no clipping, no schedule), the floor any training loop adds to.
 """
 
 import sys
@@ -25,6 +28,9 @@ from train_extras.options import TrainConfig  # noqa: E402
 
 
 def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    bare = "--bare" in argv
+    argv = [a for a in argv if a != "--bare"]
     cfg = config.parse(TrainConfig, argv, recipe="plain_loop.py")  # train.py's options: the same command line
     torch.manual_seed(cfg.seed)
     tokenizer = data.build_tokenizer(cfg)
@@ -43,9 +49,11 @@ def main(argv=None):
         batch = next(batches)
         loss = modeling.causal_lm_loss(model, batch["input_ids"], batch["labels"])
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        if not bare:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         optimizer.step()
-        scheduler.step()
+        if not bare:
+            scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         pending.append(loss.detach())
         interval_steps += 1
@@ -54,7 +62,7 @@ def main(argv=None):
             rates.append(interval_steps * tokens_per_step / (time.perf_counter() - interval_start))
             pending, interval_start, interval_steps = [], time.perf_counter(), 0
     write_json(Path(cfg.output_dir) / "run_summary.json", {
-        "recipe": "benchmarks/plain_loop.py",
+        "recipe": "benchmarks/plain_loop.py" + (" --bare" if bare else ""),
         "threads": torch.get_num_threads(),
         "losses": [{"step": i + 1, "loss": v} for i, v in enumerate(losses)],
         "throughput": [{"tokens_per_s": r} for r in rates],

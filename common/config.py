@@ -66,8 +66,8 @@ class ModelOptions:
         if self.model_name_or_path is None and self.preset not in PRESET_NAMES:
             raise ConfigError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESET_NAMES)}")
         for flag, name in (("model", self.model_name_or_path), ("tokenizer", self.tokenizer_name_or_path)):
-            if name and name.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(name)):  # a path
-                raise ConfigError(f"--{flag}_name_or_path {name}: no such local folder (a Hub id has no leading / . ~)")
+            if name and name.startswith(("/", ".")) and not os.path.isdir(name):  # a local path, not a Hub id
+                raise ConfigError(f"--{flag}_name_or_path {name}: no such local folder")
 
 
 @dataclass

@@ -91,11 +91,11 @@ class NonFinitePolicy:
         self.skipped += 1
         if self.deepspeed:
             raise config.TrainingError(f"non-finite loss at step {step}: DeepSpeed steps inside backward, so this "
-                                       "update is already applied; stopping without writing anything")
+                                       "update is already applied; stopping without a checkpoint or an export")
         if self.in_a_row >= self.limit:
             raise config.TrainingError(
-                f"non-finite loss in {self.in_a_row} steps in a row (last: step {step}); stopping without writing "
-                "anything (lower --lr, check the data, or use bf16 instead of fp16)")
+                f"non-finite loss in {self.in_a_row} steps in a row (last: step {step}); stopping without a checkpoint "
+                "or an export (lower --lr, check the data, or use bf16 instead of fp16)")
         return False
 
 
@@ -241,7 +241,8 @@ def main(argv=None):
     tracker_run = tracking.run_identity(cfg, resume_meta if resume_path is not None else None)
     summary["tracker_run"] = tracker_run
     if not cfg.eval_only:  # one tracker run across every restart: its identity travels in the checkpoints
-        tracking.start(accelerator, cfg, setup, tracker_run, resume_meta["step"] if resume_path is not None else 0)
+        continued = resume_path is not None and tracker_run == resume_meta.get("tracker_run")
+        tracking.start(accelerator, cfg, setup, tracker_run, resume_meta["step"] if continued else 0, continued)
 
     def run_eval(step):
         result = modeling.evaluate(model, eval_loader, accelerator, cfg.eval_batches)
@@ -284,6 +285,7 @@ def main(argv=None):
     micro_batches_done = skip if cfg.streaming else epoch * len(train_loader) + skip
 
     def save_checkpoint(step):
+        record.sync()
         return checkpoint.save(accelerator, cfg.output_dir, step, keep=cfg.save_total_limit, model=model,
                                optimizer=optimizer, metadata={
             "micro_batches_done": micro_batches_done,  # per rank; with batches_per_epoch, the data position
@@ -332,6 +334,8 @@ def main(argv=None):
         try:
             may_step = nonfinite.check(step, finite)
         except config.TrainingError:
+            log.add(step, optimizer.param_groups[0]["lr"], step_loss, None, overflow.scale)
+            log.record_steps()  # the steps that led here, this one too, into metrics.jsonl
             log.close()  # the error line must start on a line of its own
             raise
         if may_step:

@@ -1,6 +1,7 @@
 """accumulate_and_clip.py: token-normalised accumulation and clipping, equal in every strategy;
 train.py's handling of non-finite losses."""
 
+import json
 import math
 
 import pytest
@@ -148,6 +149,9 @@ def test_nonfinite_losses_in_a_row_stop_the_run(tmp_path, hf_home):
     proc = launch("train.py", args, hf_home, check=False)
     assert proc.returncode != 0
     ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert ours == ["error: non-finite loss in 3 steps in a row (last: step 4); stopping without writing anything "
-                    "(lower --lr, check the data, or use bf16 instead of fp16)"]
-    assert not (tmp_path / "out").exists()
+    assert ours == ["error: non-finite loss in 3 steps in a row (last: step 4); stopping without a checkpoint or an "
+                    "export (lower --lr, check the data, or use bf16 instead of fp16)"]
+    # nothing but the run's own record: its lock and the steps that led here
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".run.lock", "metrics.jsonl"]
+    lines = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"] is None) for r in lines] == [(1, False), (2, True), (3, True), (4, True)]

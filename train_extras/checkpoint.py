@@ -38,9 +38,9 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
-from accelerate.utils import DistributedType, gather_object
+from accelerate.utils import DistributedType, broadcast_object_list, gather_object
 
-from common.config import ConfigError, data_parallel_size, one_line, tensor_parallel_size
+from common.config import ConfigError, TrainingError, data_parallel_size, one_line, tensor_parallel_size
 from common.files import write_json
 from train_extras import parallel
 from train_extras.output_dir import disk_full, free_bytes
@@ -134,6 +134,16 @@ def verify(path: str | Path, accelerator=None, contents: bool = True) -> dict:
     return meta
 
 
+def _set_aside(path: Path) -> Path:
+    """step_<N> -> step_<N>.damaged (.damaged.2, ... if one is there already: the same step can go bad twice)."""
+    target, n = path.with_name(path.name + ".damaged"), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.damaged.{n}")
+    path.rename(target)
+    return target
+
+
 def resume_point(cfg, accelerator) -> tuple[Path | None, dict | None]:
     """The checkpoint to resume from and its checkpoint.json, verified (every rank calls this).
     An explicit path that fails is an error. With `auto` the newest that verifies; the newer,
@@ -151,14 +161,17 @@ def resume_point(cfg, accelerator) -> tuple[Path | None, dict | None]:
             continue
         accelerator.wait_for_everyone()  # every rank has read them before they move
         if accelerator.is_main_process:
+            aside = []
             for bad, err in damaged:
                 print(f"warning: {err}", flush=True)
                 if not cfg.eval_only:  # which writes nothing into the folder but its summary
-                    bad.rename(bad.with_name(bad.name + ".damaged"))
+                    try:
+                        aside.append(_set_aside(bad).name)
+                    except OSError as why:  # then check_output_dir refuses the newer checkpoint on every rank
+                        print(f"warning: could not set {bad} aside ({why.strerror})", flush=True)
             if damaged:
                 print(f"warning: resuming from {candidate}, the newest checkpoint that verifies"
-                      + ("" if cfg.eval_only else f"; set aside: {', '.join(b.name + '.damaged' for b, _ in damaged)}"),
-                      flush=True)
+                      + (f"; set aside: {', '.join(aside)}" if aside else ""), flush=True)
         accelerator.wait_for_everyone()
         return candidate, meta
     raise ConfigError(f"no checkpoint in {Path(cfg.output_dir) / CHECKPOINT_DIR} verifies (newest: {damaged[0][1]}); "
@@ -288,6 +301,7 @@ def save(accelerator, output_dir: str | Path, step: int, metadata: dict, keep: i
         for leftover in list(root.glob(".step_*.partial")) + list(root.glob(".step_*.deleting")):
             shutil.rmtree(leftover, ignore_errors=True)  # left by a crash during an earlier save
     accelerator.wait_for_everyone()
+    _check_space(accelerator, root, final)
 
     def write_state():
         accelerator.save_state(str(partial))  # every rank writes its part (shards, RNG)
@@ -297,7 +311,10 @@ def save(accelerator, output_dir: str | Path, step: int, metadata: dict, keep: i
     _unless_disk_full(write_state, accelerator, root, partial, final)
     # Every file fsynced (so the rename below cannot reach the disk before the data does) and its
     # checksum taken from the bytes just written, the ranks sharing the work.
+    # Listed once (rank 0) for all: a shared file system's directory cache may show ranks different lists.
     names = sorted(p.relative_to(partial).as_posix() for p in partial.rglob("*") if p.is_file())
+    if accelerator.num_processes > 1:
+        names = broadcast_object_list([names if accelerator.is_main_process else None])[0]
     checksums = _digests(partial, names, accelerator, sync=True)
 
     def write_metadata():
@@ -323,34 +340,66 @@ def save(accelerator, output_dir: str | Path, step: int, metadata: dict, keep: i
     return final
 
 
-LOW_SPACE = 64 << 20  # torch.save's error on a full disk names no cause ("unexpected pos"): so is this little left
+LOW_SPACE = 64 << 20
+# torch.save's error on a full disk or quota names no cause: "unexpected pos ...", "file write failed"
+TORCH_WRITE_FAILED = ("unexpected pos", "file write failed")
+
+
+def _out_of_space(err: BaseException, root: Path) -> bool:
+    free = free_bytes(root)
+    return disk_full(err) or any(t in str(err) for t in TORCH_WRITE_FAILED) or (
+        isinstance(err, (OSError, RuntimeError)) and free is not None and free < LOW_SPACE)
+
+
+def _checkpoint_bytes(root: Path) -> int | None:
+    complete = list_complete(root.parent)
+    return sum(read_metadata(complete[-1])["files"].values()) if complete else None
+
+
+def _disk_full_error(final: Path, root: Path, cause: str) -> ConfigError:
+    need, free = _checkpoint_bytes(root), free_bytes(root)
+    took = f"; the last checkpoint took {need / 1e6:,.0f} MB" if need else ""
+    return ConfigError(f"disk full while saving {final} ({cause}){took}, {(free or 0) / 1e6:,.0f} MB free: the "
+                       f"partial save was removed and {len(list_complete(root.parent))} complete checkpoint(s) kept; "
+                       "free space (or quota) and rerun with --resume_from_checkpoint auto")
+
+
+def _check_space(accelerator, root: Path, final: Path) -> None:
+    """Before any rank writes: less free space than the last checkpoint took stops every rank with one
+    line (rank 0 decides for all, so no rank is left waiting inside a save that another abandoned)."""
+    short = None
+    if accelerator.is_main_process:
+        need, free = _checkpoint_bytes(root), free_bytes(root)
+        if need and free is not None and free < need:
+            short = f"{free / 1e6:,.0f} MB free, the last checkpoint took {need / 1e6:,.0f} MB"
+    if accelerator.num_processes > 1:
+        short = broadcast_object_list([short])[0]
+    if short:
+        raise ConfigError(f"not enough space to save {final}: {short}; nothing was written, the complete "
+                          "checkpoints are kept; free space (or quota) and rerun with --resume_from_checkpoint auto")
 
 
 def _unless_disk_full(write, accelerator, root: Path, partial: Path, final: Path) -> None:
-    """Run write() on every rank; if the disk (or quota) filled on any of them, every rank stops with
-    one line, the partial checkpoint removed and the complete ones untouched."""
+    """Run write() on every rank, then agree: if any rank failed, every rank stops (a full disk or
+    quota: one line, the partial checkpoint removed, the complete ones untouched; any other error:
+    the failing rank raises it, the others say which rank failed)."""
     try:
         write()
         failure = None
     except Exception as err:  # noqa: BLE001 - each writer reports a full disk its own way
-        free = free_bytes(root)
-        if not (disk_full(err) or (free is not None and free < LOW_SPACE)):
-            raise
-        failure = one_line(err)
-    failures = [f for f in (gather_object([failure]) if accelerator.num_processes > 1 else [failure]) if f]
-    if not failures:
+        failure, mine = (f"space:{one_line(err)}" if _out_of_space(err, root) else f"error:{one_line(err)}"), err
+    failures = gather_object([failure]) if accelerator.num_processes > 1 else [failure]
+    if not any(failures):
         return
-    if accelerator.is_main_process:
-        shutil.rmtree(partial, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    complete = list_complete(root.parent)
-    need = (f"; the last checkpoint took {sum(read_metadata(complete[-1])['files'].values()) / 1e6:,.0f} MB"
-            if complete else "")
-    free = free_bytes(root)
-    raise ConfigError(f"disk full while saving {final} ({failures[0]}){need}, "
-                      f"{(free or 0) / 1e6:,.0f} MB free now: the partial save was removed and "
-                      f"{len(complete)} complete checkpoint(s) kept; free space and rerun with "
-                      "--resume_from_checkpoint auto")
+    if any(f and f.startswith("space:") for f in failures):
+        if accelerator.is_main_process:
+            shutil.rmtree(partial, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        raise _disk_full_error(final, root, next(f for f in failures if f and f.startswith("space:"))[6:])
+    if failure:
+        raise mine
+    rank = next(i for i, f in enumerate(failures) if f)
+    raise TrainingError(f"rank {rank} failed while saving {final}: {failures[rank][6:]}")
 
 
 def load(accelerator, path: str | Path, optimizer, scheduler, model=None) -> None:

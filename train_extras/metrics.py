@@ -50,25 +50,26 @@ def count_parameters(model) -> int:
 
 
 # Dense (no sparsity) peak tensor-core TFLOP/s per GPU, by exact part, from the vendors' datasheets.
-# Datasheets quote bf16/fp16/tf32 "with sparsity" (2x); the dense figure is half. fp32 runs use the
-# tf32 rate, since common/model.py turns TF32 matmuls on. MFU = achieved model FLOPs / this peak.
-# Each entry: (pattern for torch.cuda.get_device_name, upper-cased, "NVIDIA " removed; part; bf16, fp16, tf32).
+# NVIDIA's datasheets quote bf16/fp16/tf32 "with sparsity" (2x); the dense figure is half. fp32 runs
+# use the last column: the tf32 rate on NVIDIA parts, since common/model.py turns TF32 matmuls on.
+# MFU = achieved model FLOPs / this peak. Each entry: (pattern for torch.cuda.get_device_name,
+# upper-cased, "NVIDIA " removed; part; bf16, fp16, fp32 runs).
 GPU_PEAKS = [
     # NVIDIA A100 datasheet (A100 40GB/80GB, PCIe and SXM4 alike): BF16/FP16 312, TF32 156.
     # torch: "NVIDIA A100-SXM4-40GB", "NVIDIA A100-SXM4-80GB", "NVIDIA A100-PCIE-40GB", "NVIDIA A100 80GB PCIe".
     (r"A100([- ]SXM4?)?[- ](40|80)GB( PCIE)?|A100-PCIE-(40|80)GB", "A100", 312.0, 312.0, 156.0),
     # NVIDIA H100 datasheet, SXM5: BF16/FP16 1,979 and TF32 989 with sparsity. torch: "NVIDIA H100 80GB HBM3".
-    (r"H100 80GB HBM3|H100 SXM5?( 80GB)?", "H100 SXM", 989.5, 989.5, 494.7),
+    (r"H100 80GB HBM3|H100 SXM5?( 80GB)?", "H100 SXM", 989.5, 989.5, 494.5),
     # Same datasheet, PCIe: 1,513 / 756 with sparsity. torch: "NVIDIA H100 PCIe".
     (r"H100 PCIE", "H100 PCIe", 756.5, 756.5, 378.0),
     # Same datasheet, NVL (per GPU): 1,671 / 835 with sparsity. torch: "NVIDIA H100 NVL".
     (r"H100 NVL", "H100 NVL", 835.5, 835.5, 417.5),
     # NVIDIA H200 datasheet, SXM: as H100 SXM (same compute, more and faster memory). torch: "NVIDIA H200".
-    (r"H200", "H200 SXM", 989.5, 989.5, 494.7),
+    (r"H200", "H200 SXM", 989.5, 989.5, 494.5),
     # Same datasheet, H200 NVL: 1,671 / 835 with sparsity. torch: "NVIDIA H200 NVL".
     (r"H200 NVL", "H200 NVL", 835.5, 835.5, 417.5),
-    # NVIDIA HGX B200 specifications, per GPU: FP16/BF16 4.5 PFLOPS and TF32 2.2 PFLOPS with sparsity.
-    (r"B200", "B200", 2250.0, 2250.0, 1100.0),
+    # NVIDIA DGX/HGX B200 specifications, 8 GPUs: FP16/BF16 36 PFLOPS and TF32 18 PFLOPS with sparsity.
+    (r"B200", "B200", 2250.0, 2250.0, 1125.0),
     # NVIDIA L40S datasheet: BF16/FP16 362.05 dense (733 with sparsity), TF32 183 (366). torch: "NVIDIA L40S".
     (r"L40S", "L40S", 362.05, 362.05, 183.0),
     # NVIDIA L4 datasheet: BF16/FP16 242 and TF32 120 with sparsity. torch: "NVIDIA L4".
@@ -76,9 +77,10 @@ GPU_PEAKS = [
     # NVIDIA A10 datasheet: BF16/FP16 250 and TF32 125 with sparsity. (AWS's A10G has no public
     # datasheet: unknown, so no MFU rather than a guessed one.)
     (r"A10", "A10", 125.0, 125.0, 62.5),
-    # AMD Instinct MI300X data sheet: peak BF16/FP16 1,307.4 and TF32 653.7 dense. ROCm's torch:
-    # "AMD Instinct MI300X" (a virtual function: "... MI300X VF").
-    (r"AMD INSTINCT MI300X( VF)?", "MI300X", 1307.4, 1307.4, 653.7),
+    # AMD Instinct MI300X data sheet: peak BF16/FP16 1,307.4 dense, FP32 matrix 163.4. fp32 runs get
+    # the FP32 figure, not TF32's 653.7: ROCm's torch does not run fp32 matmuls as TF32 by default.
+    # ROCm's torch names it "AMD Instinct MI300X" (a virtual function: "... MI300X VF").
+    (r"AMD INSTINCT MI300X( VF)?", "MI300X", 1307.4, 1307.4, 163.4),
 ]
 
 

@@ -58,12 +58,14 @@ def _lock(folder: Path) -> str | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        try:
+        try:  # written by the holder just after it locked: may still be empty, or not ours
             holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
         except ValueError:
             holder = {}
         os.close(fd)
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["since"])) if "since" in holder else "?"
+        holder = holder if isinstance(holder, dict) else {}
+        stamp = holder.get("since")
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp)) if isinstance(stamp, (int, float)) else "?"
         return (f"--output_dir {folder} is in use by another run (host {holder.get('host', '?')}, PID "
                 f"{holder.get('pid', '?')}, since {since}): wait for it to end or stop it, or choose another "
                 "--output_dir")

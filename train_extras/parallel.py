@@ -94,6 +94,9 @@ def check(accelerator, cfg, model_config, recipe: str) -> None:
     shape = layout(accelerator)
     pc = accelerator.parallelism_config
     if shape is None:  # no TP: accelerate's own data parallelism (FSDP2 shards on its mesh, HSDP included)
+        if pc is not None and (pc.cp_size > 1 or pc.sp_size > 1):  # the loop has no context-parallel context
+            raise ConfigError(f"{recipe}: context/sequence parallelism (cp {pc.cp_size}, sp {pc.sp_size}) is not "
+                              "implemented here: its ranks would each train the whole batch")
         if pc is not None and pc.dp_shard_size > 1 and accelerator.distributed_type.value in ("MULTI_GPU", "MULTI_CPU"):
             # accelerate shards on the mesh only under FSDP; otherwise it wraps the whole model in DDP
             raise ConfigError(f"{recipe}: parallelism_config dp_shard_size {pc.dp_shard_size} asks for sharding, but "

@@ -138,7 +138,7 @@ def run_cli(main, argv: list[str] | None = None) -> int:
             main(argv)
         except Exception as err:
             remove_unused()  # an output folder this run made and never wrote into
-            if disk_full(err):  # a metrics line, the summary or the export on a full disk (saves say more)
+            if disk_full(err) and not isinstance(err, RecipeStop):  # the summary or export on a full disk
                 raise ConfigError(f"disk full: {one_line(err)}; free space, then rerun with "
                                   "--resume_from_checkpoint auto") from None
             if not _is_collective_failure(err):

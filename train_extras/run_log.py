@@ -1,9 +1,11 @@
 """What a run leaves as it goes, for a user whose job runs under a scheduler: `<output_dir>/metrics.jsonl`
 (the history, crash-proof) and plain log lines when the output is a file, not a terminal.
 
-metrics.jsonl: one JSON object per line, appended, flushed and fsynced at every log interval and
-every eval, so a run killed without a tracker still leaves its loss curve (run_summary.json stays
-the record written at the end). Lines, by "kind":
+metrics.jsonl: one JSON object per line, appended and flushed at every log interval and every
+eval, so a run killed without a tracker still leaves its loss curve (run_summary.json stays the
+record written at the end). Flushed lines survive the process; they are fsynced with every
+checkpoint, so after a machine's crash the file still reaches the checkpoint resumed from. A disk
+that fills stops the lines with a warning, not the run (its next checkpoint save says more). Lines, by "kind":
   train     one per step: step, loss, lr, grad_norm (pre-clip; null for a skipped step), loss_scale (fp16)
   interval  one per log interval: step (its last), steps, tokens/s (global, per device), step time,
             model TFLOP/s per device, mfu (null where the peak is unknown), eta_s, time (Unix seconds)
@@ -77,10 +79,21 @@ class MetricsFile:
     def write(self, rows: list[dict]) -> None:
         if self.file is None:
             return
-        self.file.write("".join(json.dumps({k: _finite_or_none(v) for k, v in row.items()}, allow_nan=False) + "\n"
-                                for row in rows))
-        self.file.flush()
-        os.fsync(self.file.fileno())  # a few ms per interval; the lines then survive a node's crash too
+        try:
+            self.file.write("".join(json.dumps({k: _finite_or_none(v) for k, v in row.items()}, allow_nan=False)
+                                    + "\n" for row in rows))
+            self.file.flush()  # to the OS: it survives this process; sync() makes it survive the machine
+        except OSError as err:  # rank 0 alone writes: stopping here would leave the other ranks waiting
+            print(f"warning: {self.path}: {err.strerror}; no more lines are written to it", flush=True)
+            self.file = None
+
+    def sync(self) -> None:
+        """fsync, with each checkpoint: the lines up to it survive a crash of the machine too."""
+        if self.file is not None:
+            try:
+                os.fsync(self.file.fileno())
+            except OSError:
+                pass
 
     def close(self) -> None:
         if self.file is not None:

@@ -117,23 +117,24 @@ def run_name(cfg) -> str:
 
 
 def run_identity(cfg, resume_meta: dict | None) -> dict:
-    """{"id", "name"} of the tracker run: the one a resumed checkpoint recorded, else a new one
-    (uuid4 reads the OS's randomness, not the seeded RNGs: the run's numbers stay as they were)."""
+    """{"id", "name", "output_dir"} of the tracker run: the one a resumed checkpoint of this output
+    folder recorded, else a new one (a checkpoint of another folder starts a run of its own). uuid4
+    reads the OS's randomness, not the seeded RNGs: the run's numbers stay as they were."""
     stored = (resume_meta or {}).get("tracker_run")
-    if stored:
+    here = os.path.abspath(cfg.output_dir)
+    if stored and stored.get("output_dir") == here:
         return stored
-    return {"id": os.environ.get("WANDB_RUN_ID") or uuid.uuid4().hex[:16], "name": run_name(cfg)}
+    return {"id": os.environ.get("WANDB_RUN_ID") or uuid.uuid4().hex[:16], "name": run_name(cfg), "output_dir": here}
 
 
-def start(accelerator, cfg, setup: dict, identity: dict, start_step: int) -> None:
+def start(accelerator, cfg, setup: dict, identity: dict, start_step: int, resumed: bool) -> None:
     """init_trackers with the redacted, flattened config (main process only, inside accelerate),
-    continuing `identity`'s run when the run resumes (start_step > 0)."""
+    continuing `identity`'s run when `resumed` (a checkpoint of this folder, at start_step)."""
     if not cfg.report_to:
         return
     env_secrets = secret_env_values()
     config = flatten(redact({**dataclasses.asdict(cfg), "setup": {k: v for k, v in setup.items() if k != "options"}},
                             env_secrets))
-    resumed = start_step > 0
     init_kwargs = {"trackio": {"name": identity["name"], "resume": "allow" if resumed else "never"},
                    # Events at or past this step, from a crash or an earlier run in this folder, are hidden.
                    "tensorboard": {"purge_step": start_step + 1 if resumed else 0}}
