@@ -42,6 +42,7 @@ def main():
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--small_steps", action="store_true", help="the small-step table (see above)")
     parser.add_argument("--train_args", default="", help="extra train.py options (e.g. --compile true)")
+    parser.add_argument("--only", default=None, help="with --small_steps: one preset's shape (mini, debug, tiny)")
     args = parser.parse_args()
     if args.small_steps:
         return small_steps(args)
@@ -116,7 +117,7 @@ def small_steps(args):
     work = Path(tempfile.mkdtemp(prefix="overhead-small-"))
     out = args.out or ROOT / "benchmarks" / "results" / f"overhead-small-{time.strftime('%Y-%m-%d')}"
     rows, results = [], []
-    for shape in SMALL_SHAPES:
+    for shape in [s for s in SMALL_SHAPES if args.only in (None, s[0])]:
         pairs = []
         for i in range(args.pairs):
             order = ("bare", "train.py") if i % 2 == 0 else ("train.py", "bare")
