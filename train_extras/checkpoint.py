@@ -312,9 +312,10 @@ def save(accelerator, output_dir: str | Path, step: int, metadata: dict, keep: i
     # Every file fsynced (so the rename below cannot reach the disk before the data does) and its
     # checksum taken from the bytes just written, the ranks sharing the work.
     # Listed once (rank 0) for all: a shared file system's directory cache may show ranks different lists.
-    names = sorted(p.relative_to(partial).as_posix() for p in partial.rglob("*") if p.is_file())
+    names = (sorted(p.relative_to(partial).as_posix() for p in partial.rglob("*") if p.is_file())
+             if accelerator.is_main_process else None)
     if accelerator.num_processes > 1:
-        names = broadcast_object_list([names if accelerator.is_main_process else None])[0]
+        names = broadcast_object_list([names])[0]
     checksums = _digests(partial, names, accelerator, sync=True)
 
     def write_metadata():

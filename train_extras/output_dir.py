@@ -101,6 +101,7 @@ def disk_full(err: BaseException) -> bool:
 
 def free_bytes(folder: str | Path) -> int | None:
     try:
-        return os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
+        stats = os.statvfs(folder)
     except OSError:
         return None
+    return stats.f_bavail * stats.f_frsize

@@ -1,5 +1,7 @@
-"""What a run leaves as it goes, for a user whose job runs under a scheduler: `<output_dir>/metrics.jsonl`
-(the history, crash-proof) and plain log lines when the output is a file, not a terminal.
+"""What a run leaves as it goes: train.py's IntervalLog (per-step numbers fetched once per log
+interval into run_summary.json, the trackers, `<output_dir>/metrics.jsonl` and the bar or a plain
+line), the metrics file itself (the history, crash-proof) and plain log lines when the output is a
+file, not a terminal, as under a scheduler.
 
 metrics.jsonl: one JSON object per line, appended and flushed at every log interval and every
 eval, so a run killed without a tracker still leaves its loss curve (run_summary.json stays the
@@ -23,6 +25,7 @@ is a terminal; otherwise the libraries' bars are off too and rank 0 prints one l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -30,6 +33,11 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from train_extras import metrics
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -126,3 +134,82 @@ def plain_line(step: int, max_steps: int, *, loss: float, lr: float, grad_norm: 
 
 def now() -> float:
     return round(time.time(), 3)
+
+
+class IntervalLog:
+    """Per-step numbers, kept on the device and fetched once per log interval (the one sync that
+    also makes the interval's timing honest), then written to run_summary.json, metrics.jsonl, the
+    trackers and the progress bar (or a plain line when the output is a file: train_extras/py),
+    with throughput, MFU, memory per rank and the ETA."""
+
+    def __init__(self, accelerator, cfg, summary, record, tokens_per_step, flops_per_token, peak_tflops, start_step):
+        self.accelerator, self.cfg, self.summary, self.record = accelerator, cfg, summary, record
+        self.tokens_per_step, self.flops_per_token, self.peak_tflops = tokens_per_step, flops_per_token, peak_tflops
+        self.pending, self.step_times, self.interval_steps = [], [], 0
+        self.start = time.perf_counter()
+        self.plain = accelerator.is_main_process and not draw_bar()
+        self.bar = tqdm(total=cfg.max_steps, initial=start_step, desc="train",
+                        disable=not accelerator.is_main_process or self.plain)
+
+    def add(self, step, lr, loss, grad_norm, loss_scale):
+        """grad_norm: clip_grad_norm_'s result (a DTensor under FSDP2, a float under DeepSpeed, None
+        for a skipped step), kept on the device like the loss."""
+        self.pending.append((step, lr, loss, metrics.as_tensor(grad_norm, loss.device), loss_scale))
+
+    def drain(self) -> list[dict]:
+        """Fetch the steps added since the last call (one host sync) into run_summary.json and the
+        trackers; returns their metrics.jsonl lines. Called at each log interval, and before an eval
+        so that its step comes after theirs everywhere (wandb drops a step logged after a later one)."""
+        if not self.pending:
+            return []
+        losses, norms = torch.stack([torch.stack([loss, norm]) for _, _, loss, norm, _ in self.pending]).T.tolist()
+        lines = []
+        for (s, lr, _, _, loss_scale), loss, norm in zip(self.pending, losses, norms):
+            row = {"step": s, "loss": loss, "lr": lr, "grad_norm": norm}
+            if loss_scale is not None:
+                row["loss_scale"] = loss_scale
+            self.summary["losses"].append(row)
+            lines.append({"kind": "train", **row})
+            self.accelerator.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step=s)
+        self.interval_steps += len(self.pending)
+        self.last = {"loss": losses[-1], "lr": self.pending[-1][1], "grad_norm": norms[-1]}
+        self.pending = []
+        return lines
+
+    def record_steps(self):
+        """Before an eval: the steps so far into metrics.jsonl and the trackers."""
+        self.record.write(self.drain())
+
+    def flush(self, step):
+        lines = self.drain()
+        elapsed = time.perf_counter() - self.start
+        self.start = time.perf_counter()  # what logging costs below counts in the next interval
+        steps, self.interval_steps = self.interval_steps, 0
+        self.step_times.append(elapsed / steps)
+        stats = metrics.interval_stats(
+            steps=steps, seconds=elapsed, tokens_per_step=self.tokens_per_step,
+            world_size=self.accelerator.num_processes, flops_per_token=self.flops_per_token,
+            peak_tflops_per_device=self.peak_tflops, steps_left=self.cfg.max_steps - step, step_times=self.step_times)
+        memory = metrics.peak_memory(self.accelerator)  # every rank's (a small gather per interval)
+        self.summary["throughput"].append({"step": step, **stats, "memory_per_rank": memory})
+        self.record.write(lines + [{"kind": "interval", "step": step, "steps": steps, **stats, "time": now()}])
+        if self.plain:
+            print(plain_line(step, self.cfg.max_steps, stats=stats, **self.last), flush=True)
+        self.accelerator.log({f"perf/{k}": v for k, v in stats.items() if v is not None}
+                             | {f"memory/rank{m['rank']}_{k}": v for m in memory for k, v in m.items() if k != "rank"},
+                             step=step)
+        self.bar.set_postfix(loss=f"{self.last['loss']:.4f}", lr=f"{self.last['lr']:.2e}",
+                             tok_s=f"{stats['tokens_per_s']:,.0f}",
+                             **({"mfu": f"{stats['mfu']:.1%}"} if stats["mfu"] is not None else {}))
+        self.bar.update(steps)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time spent inside does not count towards the current interval."""
+        t0 = time.perf_counter()
+        yield
+        self.start += time.perf_counter() - t0
+
+    def close(self):
+        self.bar.close()  # an error line after this starts on a line of its own
+        self.record.close()

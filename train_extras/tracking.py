@@ -127,14 +127,15 @@ def run_identity(cfg, resume_meta: dict | None) -> dict:
     return {"id": os.environ.get("WANDB_RUN_ID") or uuid.uuid4().hex[:16], "name": run_name(cfg), "output_dir": here}
 
 
-def start(accelerator, cfg, setup: dict, identity: dict, start_step: int, resumed: bool) -> None:
+def start(accelerator, cfg, setup: dict, identity: dict, start_step: int) -> None:
     """init_trackers with the redacted, flattened config (main process only, inside accelerate),
-    continuing `identity`'s run when `resumed` (a checkpoint of this folder, at start_step)."""
+    continuing `identity`'s run from start_step (> 0: a checkpoint of this folder; 0: a new run)."""
     if not cfg.report_to:
         return
     env_secrets = secret_env_values()
     config = flatten(redact({**dataclasses.asdict(cfg), "setup": {k: v for k, v in setup.items() if k != "options"}},
                             env_secrets))
+    resumed = start_step > 0
     init_kwargs = {"trackio": {"name": identity["name"], "resume": "allow" if resumed else "never"},
                    # Events at or past this step, from a crash or an earlier run in this folder, are hidden.
                    "tensorboard": {"purge_step": start_step + 1 if resumed else 0}}
