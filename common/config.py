@@ -11,11 +11,14 @@ it comes from the accelerate launch config.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
 import os
+import signal
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -29,7 +32,7 @@ PRESET_NAMES = ("debug", "mini", "tiny", "small", "1b", "8b")
 
 class RecipeStop(Exception):
     """An expected stop: one line on stderr (`prefix: message`) and the exit code, no traceback."""
-    exit_code, prefix = 1, "error"
+    exit_code, prefix, every_rank = 1, "error", False  # every_rank: see same_on_every_rank
 
 
 class ConfigError(RecipeStop, ValueError):
@@ -76,12 +79,12 @@ class DataOptions:
     dataset_config: str | None = opt(None, "Dataset configuration name.")
     dataset_split: str = opt("train", "Split to train on (a held-out part is cut from it unless --eval_split).")
     eval_split: str | None = opt(None, "The dataset's own held-out split (e.g. validation), instead of a cut of train.")
-    data_files: list[str] | None = opt(None, "Local .txt / .json / .jsonl files (one format per run). Default: none "
-                                             "given = tiny Shakespeare, shipped in common/corpus/.")
-    eval_data_files: list[str] | None = opt(None, "Local files held out for eval, instead of a cut of --data_files.")
+    data_files: list[str] | None = opt(None, "Local .txt/.json/.jsonl/.csv/.parquet files, folders or globs (one "
+                                             "format). Default: none given = tiny Shakespeare, in common/corpus/.")
+    eval_data_files: list[str] | None = opt(None, "Local files (folders, globs) held out, instead of a cut of train.")
     txt_documents: Literal["paragraph", "line", "file"] = opt(
         "paragraph", "How a .txt file splits into documents: at blank lines, at every line, or one per file.")
-    text_column: str = opt("text", "Column holding the text in JSON/Hub data.")
+    text_column: str = opt("text", "Column holding the text in JSON, CSV, Parquet or Hub data.")
     eval_fraction: float | None = opt(None, "Fraction held out for eval. Default: tiny Shakespeare's last 10%% "
                                            "(nanoGPT's split); 2%% of the documents (fixed seed) for other sources.")
     add_bos: bool = opt(True, "Start each document with the tokenizer's BOS, if it has one apart from EOS.")
@@ -97,11 +100,7 @@ class DataOptions:
             raise ConfigError("--eval_split goes with --dataset_name, --eval_data_files with --data_files")
         if self.eval_fraction is not None and (self.eval_split or self.eval_data_files):
             raise ConfigError("--eval_fraction cuts the held-out part from train: not with a held-out set of its own")
-        for path in (self.data_files or []) + (self.eval_data_files or []):
-            if not os.path.isfile(path):
-                raise ConfigError(f"data file not found: {path}")
-            if not _has_text(path):
-                raise ConfigError(f"data file is empty: {path}")
+        data_file_list(self.data_files), data_file_list(self.eval_data_files)  # there, not empty, one format
         if self.eval_fraction is not None and not 0.0 < self.eval_fraction < 1.0:
             raise ConfigError(f"--eval_fraction must be in (0, 1), got {self.eval_fraction}")
         _positive(self, "seq_len")
@@ -177,6 +176,39 @@ def _has_text(path: str, chunk: int = 1 << 16) -> bool:
         return any(block.strip() for block in iter(lambda: f.read(chunk), b""))
 
 
+# datasets' builder of each file suffix
+BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def data_file_list(paths: list[str] | None) -> list[str]:
+    """--data_files / --eval_data_files as the files they name, in the order given: a folder gives every
+    data file in it and a glob what it matches, by datasets' rules (hidden files, README.md skipped),
+    sorted (the data and its cache stay the same run to run). Each file must hold something; one format."""
+    files = []
+    for path in paths or []:
+        if os.path.isfile(path):  # taken as it is (its name may hold [ or *)
+            files.append(path)
+            continue
+        from datasets.data_files import contains_wildcards, resolve_pattern
+
+        folder = os.path.isdir(path)
+        try:
+            files += sorted(resolve_pattern(os.path.join(path, "**") if folder else path, os.getcwd(),
+                                            list(BUILDERS) if folder else None))
+        except FileNotFoundError:
+            raise ConfigError(f"no {'/'.join(BUILDERS)} file in the folder {path}" if folder else
+                              f"no file matches {path}" if contains_wildcards(path) else f"data file not found: {path}"
+                              ) from None
+    formats = {BUILDERS.get(Path(f).suffix.lower()) for f in files}
+    if len(formats) > 1 or None in formats:
+        raise ConfigError("data files must all be .txt, all .json/.jsonl, all .csv or all .parquet; got "
+                          + ", ".join(sorted({Path(f).suffix or Path(f).name for f in files})))
+    for file in files:
+        if not _has_text(file):
+            raise ConfigError(f"data file is empty: {file}")
+    return files
+
+
 # ---- parsing ----
 class _OneLineErrorParser(HfArgumentParser):
     """argparse prints usage plus the error and exits; we raise so the recipe prints one line."""
@@ -185,8 +217,9 @@ class _OneLineErrorParser(HfArgumentParser):
         raise ConfigError(f"{self.prog}: {message}")
 
 
-def _yaml_to_argv(path: str, known: set[str], recipe: str) -> list[str]:
-    """Turn a YAML mapping into CLI tokens, so YAML values get the same type checks as the CLI."""
+def _yaml_to_argv(path: str, known: set[str], recipe: str, lists: set[str] = frozenset()) -> list[str]:
+    """Turn a YAML mapping into CLI tokens, so YAML values get the same type checks as the CLI.
+    lists: the options that take several values."""
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}")
     try:
@@ -197,7 +230,8 @@ def _yaml_to_argv(path: str, known: set[str], recipe: str) -> list[str]:
         line = f" (line {where.line + 1})" if where is not None else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise ConfigError(f"bad YAML in {path}{line}: {problem}") from None
-    values = {} if values is None else values
+    if values in (None, {}):  # nothing, or only comments: a file meant to say something
+        raise ConfigError(f"config file {path} is empty")
     if not isinstance(values, dict):
         raise ConfigError(f"bad YAML in {path}: expected a mapping of option: value, got {type(values).__name__}")
     argv = []
@@ -206,12 +240,25 @@ def _yaml_to_argv(path: str, known: set[str], recipe: str) -> list[str]:
             raise ConfigError(f"unknown option {key!r} for {recipe} in {path} (see {recipe} --help)")
         if key == "config":
             raise ConfigError(f"{path}: a config file cannot name another config file")
+        if isinstance(value, list) and key not in lists:
+            raise ConfigError(f"{path}: {key} takes one value, got a list")
         if value is not None:  # a list gives one token per item; booleans as the CLI spells them
             items = value if isinstance(value, list) else [value]
             argv += [f"--{key}", *(("true" if v else "false") if isinstance(v, bool) else str(v) for v in items)]
     return argv
 
 
+@contextlib.contextmanager
+def same_on_every_rank():
+    """A stop raised in here is every rank's alike (same inputs): one process per launcher prints it."""
+    try:
+        yield
+    except RecipeStop as err:
+        err.every_rank = True
+        raise
+
+
+@same_on_every_rank()  # every rank parses the same command line
 def parse(options_class, argv: list[str] | None = None, recipe: str | None = None):
     """CLI (and the YAML it names) into a validated `options_class`; ConfigError on bad input."""
     recipe = recipe or Path(sys.argv[0]).name
@@ -219,7 +266,8 @@ def parse(options_class, argv: list[str] | None = None, recipe: str | None = Non
     parser = _OneLineErrorParser(options_class, prog=recipe)
     first, _ = parser.parse_known_args(argv)
     known = {f.name for f in dataclasses.fields(options_class)}
-    yaml_argv = _yaml_to_argv(first.config, known, recipe) if first.config else []
+    lists = {action.dest for action in parser._actions if action.nargs in ("+", "*")}
+    yaml_argv = _yaml_to_argv(first.config, known, recipe, lists) if first.config else []
     # YAML first, CLI after: argparse keeps the last occurrence, so the CLI overrides the file.
     cfg, remaining = parser.parse_args_into_dataclasses(
         args=yaml_argv + argv, return_remaining_strings=True, look_for_args_file=False)
@@ -247,6 +295,12 @@ def run_cli(main, argv: list[str] | None = None) -> int:
     try:
         main(argv)
     except RecipeStop as err:
+        if err.every_rank and os.environ.get("LOCAL_RANK", "0") != "0":
+            # The launcher's first process prints the line. Leaving first would have the launcher stop
+            # it before it does: wait to be stopped (SIGTERM's default action), a minute at most.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            time.sleep(60)
+            return err.exit_code
         _say(f"{err.prefix}: {err}")
         return err.exit_code
     finally:

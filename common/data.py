@@ -1,4 +1,4 @@
-"""Data (docs/data.md): --data_files (.txt split by --txt_documents; .json/.jsonl), --dataset_name
+"""Data (docs/data.md): --data_files (.txt split by --txt_documents; .json/.jsonl, .csv, .parquet), --dataset_name
 (Hub or local folder), else tiny Shakespeare from common/corpus/. Held out: --eval_split /
 --eval_data_files, else Shakespeare's last 10% (nanoGPT's split) or a fixed 2% of the documents.
 Each document is tokenised as [BOS] + text + EOS (cached by `datasets`) and all are concatenated
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from common.config import ConfigError
+from common.config import BUILDERS, ConfigError, data_file_list, data_parallel_size, same_on_every_rank
 from common.files import write_atomic
 
 SHAKESPEARE = Path(__file__).parent / "corpus" / "tinyshakespeare.txt"  # provenance: corpus/README.md
@@ -77,25 +77,22 @@ def load_documents(cfg, held_out: bool = False):
 
 
 def file_builder(files: list[str], txt_documents: str) -> tuple[str, dict]:
-    """datasets' builder for local files, and its options (its text builder calls a file a "document")."""
-    suffixes = {Path(f).suffix.lower() for f in files}
-    if suffixes <= {".txt", ".text"}:
-        return "text", {"sample_by": {"file": "document"}.get(txt_documents, txt_documents)}
-    if suffixes <= {".json", ".jsonl"}:
-        return "json", {}
-    raise ConfigError(f"data files must all be .txt or all .json/.jsonl, got {sorted(suffixes)}")
+    """datasets' builder for local files (of one format: config.data_file_list), and its options (its
+    text builder calls a file a "document")."""
+    builder = BUILDERS[Path(files[0]).suffix.lower()]
+    return builder, {"sample_by": {"file": "document"}.get(txt_documents, txt_documents)} if builder == "text" else {}
 
 
-def _load_documents(cfg, files, split):
+def _load_documents(cfg, given, split):
     import datasets
 
-    if files:
+    if given:  # files, folders, globs: as the user gave them in messages
+        files, source = data_file_list(given), ", ".join(given)
         builder, kwargs = file_builder(files, cfg.txt_documents)
         try:
             ds = datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
         except datasets.exceptions.DatasetGenerationError as err:
-            raise ConfigError(f"cannot read {files}: {err.__cause__ or err}") from None
-        source = ", ".join(files)
+            raise ConfigError(f"cannot read {source}: {err.__cause__ or err}") from None
     elif cfg.dataset_name:
         try:
             ds = datasets.load_dataset(cfg.dataset_name, cfg.dataset_config, split=split)
@@ -251,7 +248,21 @@ class EpochShuffleSampler(Sampler[int]):
         return iter(order.tolist())
 
 
-def build_loaders(cfg, train: PackedBlocks, held_out: PackedBlocks, pin_memory: bool):
+def build_loaders(cfg, train: PackedBlocks, held_out: PackedBlocks, pin_memory: bool, data_ranks: int | None = None):
+    """data_ranks: the ranks that accelerate's prepare splits the training loader over (default: the
+    Accelerator's data-parallel ranks; 1 for a loader not prepared). Each must get a micro-batch."""
+    from accelerate.state import AcceleratorState, is_initialized
+
+    ranks = data_ranks or (data_parallel_size(AcceleratorState()) if is_initialized() else 1)
+    # drop_last: no batch in any epoch, a loop waiting for one for ever (train.py's --eval_only trains nothing)
+    if len(train) < cfg.micro_batch_size * ranks and not getattr(cfg, "eval_only", False):
+        packed = isinstance(train, PackedBlocks)
+        with same_on_every_rank():
+            raise ConfigError(
+                f"the training set has {len(train)} " + (f"blocks of {cfg.seq_len + 1} tokens" if packed else
+                "documents") + f"; one micro-batch on each of {ranks} data-parallel rank(s) needs "
+                f"{cfg.micro_batch_size * ranks} (--micro_batch_size {cfg.micro_batch_size} x {ranks}): lower "
+                f"--micro_batch_size{' or --seq_len' if packed else ''}, or give more data")
     # drop_last: every optimizer step sees the same number of tokens
     train_loader = DataLoader(train, batch_size=cfg.micro_batch_size, sampler=EpochShuffleSampler(len(train), cfg.seed),
                               drop_last=True, num_workers=cfg.num_workers, pin_memory=pin_memory)

@@ -10,6 +10,7 @@ from accelerate.utils import DistributedType
 from torch import nn
 
 from common.config import tensor_parallel_size
+from common.files import partial_dir, recover_dir, replace_dir
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # accelerate's mixed precision -> weights
 
@@ -17,8 +18,14 @@ PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # accelerate
 def export_pretrained(accelerator, model, tokenizer, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Write the folder, its weights in `dtype` (default: the run's precision, so a bf16 run's export
     is bf16, half the size of fp32). Call on every rank: gathering sharded weights is a collective;
-    only the main process writes."""
+    only the main process writes. The folder is written whole beside `out_dir`, then swapped in
+    (common/files.py): a kill at any moment leaves `out_dir` the earlier export or this one (where the
+    file system cannot swap, NFS, missing between two renames: the next export puts the old one back)."""
     out_dir, dtype = Path(out_dir), dtype or PRECISION_DTYPES.get(accelerator.mixed_precision, torch.float32)
+    partial = partial_dir(out_dir)
+    if accelerator.is_main_process:
+        recover_dir(out_dir)  # what a killed export left, before any rank's save_pretrained creates `partial`
+    accelerator.wait_for_everyone()
     if accelerator.distributed_type == DistributedType.FSDP or tensor_parallel_size(accelerator) > 1:
         # FSDP2 with SHARDED_STATE_DICT: accelerator.get_state_dict returns an empty dict on rank 0
         # (docs/toolchain.md#fsdp2-export); under TP it returns DTensors. torch's own API gathers the
@@ -26,11 +33,13 @@ def export_pretrained(accelerator, model, tokenizer, out_dir: str | Path, dtype:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    else:
-        # DDP/single: the weights as they are. ZeRO-3: the 16-bit consolidated weights gathered
-        # from every rank's partition (needs stage3_gather_16bit_weights_on_model_save).
+    elif accelerator.distributed_type == DistributedType.DEEPSPEED:
+        # ZeRO-3: the 16-bit consolidated weights gathered from every rank's partition (needs
+        # stage3_gather_16bit_weights_on_model_save); ZeRO-1/2: the weights as they are.
         state_dict = accelerator.get_state_dict(model)
-    unwrapped = accelerator.unwrap_model(model)
+    else:  # DDP/single: the weights as they are
+        state_dict = unwrap(accelerator, model).state_dict()
+    unwrapped = unwrap(accelerator, model)
     state_dict = _without_tied_copies(unwrapped, state_dict)  # (ZeRO-3: None off rank 0, FSDP2: {})
     state_dict = state_dict and {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     # The tokenizer's special ids, not the architecture's defaults (a preset Llama says eos=2, which
@@ -39,15 +48,27 @@ def export_pretrained(accelerator, model, tokenizer, out_dir: str | Path, dtype:
         for config in (unwrapped.config, unwrapped.generation_config):
             if getattr(tokenizer, name) is not None and config is not None:
                 setattr(config, name, getattr(tokenizer, name))
-    unwrapped.save_pretrained(out_dir, state_dict=state_dict, is_main_process=accelerator.is_main_process,
+    unwrapped.save_pretrained(partial, state_dict=state_dict, is_main_process=accelerator.is_main_process,
                               save_function=accelerator.save)
     if accelerator.is_main_process:
-        tokenizer.save_pretrained(out_dir)
+        tokenizer.save_pretrained(partial)
         # save_pretrained wrote the live weights' dtype (fp32 masters); from_pretrained must see the files'
         unwrapped.config.dtype = dtype  # (the model is done: nothing reads its config after the export)
-        unwrapped.config.save_pretrained(out_dir)
+        unwrapped.config.save_pretrained(partial)
+    accelerator.wait_for_everyone()  # every rank is out of save_pretrained (it lists `partial`) before it moves
+    if accelerator.is_main_process:
+        replace_dir(out_dir)
     accelerator.wait_for_everyone()
     return out_dir
+
+
+def unwrap(accelerator, model: nn.Module) -> nn.Module:
+    """accelerate's unwrap_model, which imports deepspeed whenever it is installed (seconds, and on
+    a CPU machine DeepSpeed's "Setting accelerator to CPU" warning), where no DeepSpeed engine can be."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return accelerator.unwrap_model(model)
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper (a launch's dynamo_backend)
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
 def embeddings_tied(model: nn.Module) -> bool:

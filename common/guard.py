@@ -6,11 +6,12 @@ for to every worker in environment variables; each recipe compares, right after 
 
 from __future__ import annotations
 
+import json
 import os
 
 from accelerate.utils import DistributedType
 
-from common.config import ConfigError, tensor_parallel_size
+from common.config import ConfigError, same_on_every_rank, tensor_parallel_size
 
 HARNESS_ENV = "ACCELERATE_RECIPES_CPU_HARNESS"
 
@@ -23,14 +24,28 @@ def requested() -> dict:
     """What the launch (config file + command-line overrides) asked for, as accelerate passed it on.
     Strategy None: plain data parallel or single process, told apart by the world size."""
     kind = "DEEPSPEED" if flag("ACCELERATE_USE_DEEPSPEED") else "FSDP" if flag("ACCELERATE_USE_FSDP") else None
-    return {"strategy": kind, "world_size": int(os.environ.get("WORLD_SIZE", "1")),
-            "mixed_precision": os.environ.get("ACCELERATE_MIXED_PRECISION", "no")}
+    precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if kind == "DEEPSPEED":  # with a DeepSpeed JSON the precision it enables explicitly is what was asked for
+        precision = deepspeed_json_precision(os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")) or precision
+    return {"strategy": kind, "world_size": int(os.environ.get("WORLD_SIZE", "1")), "mixed_precision": precision}
+
+
+def deepspeed_json_precision(path: str | None) -> str | None:
+    """'bf16' or 'fp16' when the DeepSpeed JSON enables one explicitly (not "auto"), else None.
+    accelerate refuses mixed_precision in a YAML beside a JSON, and a launch's --mixed_precision
+    does not override an explicit value, so the JSON decides (docs/toolchain.md#deepspeed-precision)."""
+    if not path or path == "none" or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        ds_config = json.load(f)
+    return next((name for name in ("bf16", "fp16") if ds_config.get(name, {}).get("enabled") is True), None)
 
 
 KINDS = {DistributedType.NO: "single", DistributedType.MULTI_GPU: "ddp", DistributedType.MULTI_CPU: "ddp",
          DistributedType.FSDP: "fsdp", DistributedType.DEEPSPEED: "deepspeed"}
 
 
+@same_on_every_rank()  # every rank sees the same launch: one process per launcher says so
 def check_launch(accelerator, recipe: str, supports: tuple[str, ...]) -> None:
     """Stop unless what runs is what was asked for, and is something this recipe implements.
 

@@ -1,7 +1,7 @@
 """Gradient accumulation with token-normalised loss and clipping on the full gradient, in every strategy.
 
     accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/accumulate_and_clip.py \
-        --gradient_accumulation_steps 8 --packing false
+        --gradient_accumulation_steps 8 --packing false --data_files my_docs.txt --txt_documents line
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/accumulate_and_clip.py \
         --gradient_accumulation_steps 4
 

@@ -2,7 +2,7 @@
 
     accelerate launch --config_file accelerate_configs/ddp.yaml recipes/ddp.py --preset small
     ACCELERATE_USE_CPU=true accelerate launch --config_file accelerate_configs/ddp.yaml \
-        --num_processes 2 --mixed_precision no recipes/ddp.py --preset debug        # CPU, gloo
+        --num_processes 2 recipes/ddp.py --preset debug        # CPU, gloo
 
 What DDP does: every rank holds the whole model and optimizer and trains on its own slice of each
 global batch (accelerate shards the batch sampler: rank r takes batches r, r+N, ...). After the

@@ -5,7 +5,7 @@ and keeps the partitions of parameters and optimizer state in CPU RAM.
         recipes/deepspeed_zero3_offload.py --preset 8b
     ACCELERATE_RECIPES_CPU_HARNESS=1 PYTHONPATH=scripts/cpu_harness accelerate launch \
         --config_file accelerate_configs/deepspeed_zero3_offload.yaml --num_processes 2 \
-        --mixed_precision no recipes/deepspeed_zero3_offload.py --preset debug     # CPU, gloo
+        recipes/deepspeed_zero3_offload.py --preset debug     # CPU, gloo
 
 What ZeRO-3 does: with zero3_init_flag the model is built inside deepspeed.zero.Init, so each
 rank materialises only its 1/N partition of every parameter. Forward and backward gather each

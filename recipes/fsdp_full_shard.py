@@ -2,7 +2,7 @@
 
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/fsdp_full_shard.py --preset 1b
     ACCELERATE_RECIPES_CPU_HARNESS=1 PYTHONPATH=scripts/cpu_harness accelerate launch \
-        --config_file accelerate_configs/fsdp.yaml --num_processes 2 --mixed_precision no \
+        --config_file accelerate_configs/fsdp.yaml --num_processes 2 \
         recipes/fsdp_full_shard.py --preset debug                                  # CPU, gloo
 
 What FSDP2 does: accelerate applies torch's `fully_shard` to every transformer block (the model's

@@ -3,7 +3,7 @@
     accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 4 \
         recipes/pipeline_parallel.py --preset 1b --micro_batch_size 2 --gradient_accumulation_steps 8
     ACCELERATE_USE_CPU=true accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 2 \
-        --mixed_precision no recipes/pipeline_parallel.py --preset debug --micro_batch_size 2 \
+        recipes/pipeline_parallel.py --preset debug --micro_batch_size 2 \
         --gradient_accumulation_steps 4                                                    # CPU, gloo
 
 Naive model parallel places layers on different GPUs and passes one batch through them: only one
@@ -89,7 +89,7 @@ def main(argv=None):
     # New: every rank reads the whole step's batch (not prepared: accelerate would split it over ranks)
     train_loader, eval_loader = data.build_loaders(
         dataclasses.replace(cfg, micro_batch_size=cfg.micro_batch_size * micro_batches), train_set, eval_set,
-        pin_memory=accelerator.device.type == "cuda")
+        pin_memory=accelerator.device.type == "cuda", data_ranks=1)
     # End new
     # New: one batch of micro_batch_size x micro-batches for all the stages
     setup = config.setup_facts(cfg, accelerator, data_ranks=1)

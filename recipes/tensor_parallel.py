@@ -3,7 +3,7 @@
     accelerate launch --config_file accelerate_configs/tp.yaml recipes/tensor_parallel.py --preset 1b
     ACCELERATE_RECIPES_CPU_HARNESS=1 PYTHONPATH=scripts/cpu_harness accelerate launch \
         --config_file accelerate_configs/tp.yaml --num_processes 2 --parallelism_config_tp_size 2 \
-        --mixed_precision no recipes/tensor_parallel.py --preset debug                  # CPU, gloo
+        recipes/tensor_parallel.py --preset debug                  # CPU, gloo
 
 What TP does (Megatron-LM's layout, which transformers declares per model as `base_model_tp_plan`):
 - Column-wise (q, k, v, gate, up projections): the weight's output rows are split, Shard(0). Each

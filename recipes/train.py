@@ -64,10 +64,17 @@ def batches_forever(accelerator, loader, epoch: int = 0, skip: int = 0):
 
     Each epoch's order is a function of (seed, epoch) alone (data.EpochShuffleSampler), so the
     position is (epoch, batches into it) and skipping is exact even after load_state has
-    restored the global RNG."""
+    restored the global RNG. An epoch that gives no batch raises: this loop would never end
+    (data.build_loaders refuses such data first)."""
     while True:
         loader.set_epoch(epoch)
-        yield from (accelerator.skip_first_batches(loader, skip) if skip else loader)
+        empty = True
+        for batch in accelerator.skip_first_batches(loader, skip) if skip else loader:
+            empty = False
+            yield batch
+        if empty and not skip:
+            raise config.TrainingError(f"epoch {epoch} of the training data gave rank {accelerator.process_index} "
+                                       "no micro-batch: lower --micro_batch_size or --seq_len, or give more data")
         skip, epoch = 0, epoch + 1
 
 
@@ -165,6 +172,7 @@ def main(argv=None):
         raise config.ConfigError(f"--eval_only: no complete checkpoint in {cfg.output_dir}/checkpoints to evaluate")
     if not cfg.eval_only:  # which writes no checkpoint, and its record apart (eval_summary.json)
         checkpoint.check_output_dir(cfg, resume_meta["step"] if resume_path is not None else 0)
+        output_dir.check_not_finished(cfg, resume_path)
     set_seed(cfg.seed)  # the same seed on every rank: identical initial weights everywhere
 
     tokenizer = data.build_tokenizer(cfg)
@@ -185,6 +193,8 @@ def main(argv=None):
         else:
             train_set, eval_set = data.build_datasets(cfg, tokenizer)
     loaders = data_at_scale.streamed_loaders if cfg.streaming else data.build_loaders
+    if resume_meta is not None and not cfg.eval_only:  # a glob that now matches more, a file rewritten in place
+        checkpoint.check_same_data(resume_path, resume_meta, cfg, None if cfg.streaming else len(train_set))
     train_loader, eval_loader = loaders(cfg, train_set, eval_set, pin_memory=accelerator.device.type == "cuda")
     # Printed once the data is known to be good, so bad input stays a one-line error. Logs get
     # copied around: the options are printed (and recorded) with secrets removed, as trackers get them.
@@ -262,16 +272,20 @@ def main(argv=None):
     # ---- resume: model, optimizer, schedule, scaler, RNG of every rank, data position ----
     start_step, epoch, skip = 0, 0, 0
     if resume_path is not None:
-        checkpoint.load(accelerator, resume_path, optimizer, scheduler, model)
+        checkpoint.load(accelerator, resume_path, optimizer, scheduler, cfg, model)
         start_step = resume_meta["step"]
         # (epoch, batches into it) in this run's geometry: FSDP2 and replicated checkpoints may
         # resume on another number of ranks with the same global batch. A stream: batches into it.
         epoch, skip = ((0, resume_meta["micro_batches_done"]) if cfg.streaming
                        else checkpoint.data_position(resume_meta, cfg, data_ranks, len(train_loader)))
+        # Options a resumed run may change (lr, schedule, length, cadences) hold from its first step.
+        changed = checkpoint.resume_changes(resume_meta, cfg)
         summary["resumed_from"] = {"path": str(resume_path), "step": start_step,
-                                   "world_size": resume_meta["setup"]["world_size"]}
+                                   "world_size": resume_meta["setup"]["world_size"], "changed": changed}
         if accelerator.is_main_process:
-            print(f"resumed from {resume_path} at step {start_step}", flush=True)
+            applied = "".join(f"; --{key} {old!r} -> {new!r}" for key, (old, new) in changed.items())
+            print(f"resumed from {resume_path} at step {start_step}"
+                  + (f", with this run's settings from step {start_step + 1}{applied}" if changed else ""), flush=True)
     if cfg.eval_only:  # the model as it is, on the held-out data: nothing trains, nothing else is written
         return evaluate_only(accelerator, cfg, summary, modeling.evaluate(model, eval_loader, accelerator,
                                                                           cfg.eval_batches), start_step)
@@ -288,6 +302,7 @@ def main(argv=None):
                                optimizer=optimizer, metadata={
             "micro_batches_done": micro_batches_done,  # per rank; with batches_per_epoch, the data position
             "batches_per_epoch": None if cfg.streaming else len(train_loader),
+            "data": checkpoint.data_identity(cfg, None if cfg.streaming else len(train_set)),  # checked on resume
             "tokens_seen": step * tokens_per_step, "config": dataclasses.asdict(cfg), "tracker_run": tracker_run,
             "setup": {k: setup[k] for k in ("distributed_type", "world_size", "data_parallel_size",
                                             "tensor_parallel_size", "mixed_precision")}})

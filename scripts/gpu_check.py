@@ -143,15 +143,35 @@ def environment() -> dict:
             "gpus": torch.cuda.device_count(), "versions": versions}
 
 
+def deepspeed_json_in(config: str, precision: str, folder: Path) -> Path:
+    """A copy of the config's DeepSpeed JSON with `precision` set: under DeepSpeed the JSON decides
+    (accelerate_configs/*.json enable bf16, and --mixed_precision cannot override an explicit value)."""
+    import yaml
+
+    ds_file = yaml.safe_load((ROOT / "accelerate_configs" / config).read_text())["deepspeed_config"]
+    ds_config = json.loads((ROOT / ds_file["deepspeed_config_file"]).read_text())
+    ds_config.update(bf16={"enabled": precision == "bf16"}, fp16={"enabled": precision == "fp16"})
+    out = Path(folder) / f"{Path(config).stem}.{precision}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(ds_config, indent=1))
+    return out
+
+
 def launch_command(recipe, config, precision, world, args, output_dir, extra_launch=(), extra_options=()) -> list[str]:
     launcher = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
-                str(ROOT / "accelerate_configs" / config), "--mixed_precision", precision]
+                str(ROOT / "accelerate_configs" / config)]
+    if config.startswith("deepspeed"):
+        launcher += ["--deepspeed_config_file", str(deepspeed_json_in(config, precision, Path(output_dir).parent))]
+    else:
+        launcher += ["--mixed_precision", precision]
     if config not in SINGLE_PROCESS_CONFIGS:
         launcher += ["--num_processes", str(world), *extra_launch]
     options = ["--preset", args.preset, "--seq_len", str(args.seq_len), "--micro_batch_size", str(args.micro_batch),
                "--max_steps", str(args.steps), "--warmup_steps", str(min(5, args.steps)), "--eval_every", "0",
                "--log_every", str(max(1, args.steps // 5)), "--save_model", "false", "--output_dir", str(output_dir),
                *extra_options]
+    if recipe == "train.py":  # a rerun of the check into the same --out replaces its rows' runs
+        options += ["--overwrite_output_dir", "true"]
     return launcher + [str(ROOT / "recipes" / recipe)] + options
 
 

@@ -8,15 +8,18 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from accelerate.utils import set_seed
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.config import parse
 from common.data import build_tokenizer
+from common.files import write_json
 from common.model import build_model
 from synthetic import corpus_file
 from train_extras.options import TrainConfig
@@ -76,11 +79,29 @@ TWO_CPU_PROCESSES = {
 TWO_PROCESS_LAUNCH = ["--num_processes", "2", "--num_cpu_threads_per_process", "1", "--mixed_precision", "no"]
 
 
+def deepspeed_json_in(config: str, precision: str) -> Path:
+    """The DeepSpeed JSON of `config` with `precision` ("no", "bf16", "fp16") set in it. A DeepSpeed
+    run's precision is the JSON's (accelerate_configs/*.json enable bf16; --mixed_precision cannot
+    override an explicit value), so a test launch that asks for fp32 (parity at fp32 tolerances;
+    bf16 is ~10x slower on this CPU) gets a JSON that says so. test_documented_commands.py runs the
+    configs as written."""
+    ds_file = yaml.safe_load((ROOT / "accelerate_configs" / config).read_text())["deepspeed_config"]
+    ds_config = json.loads((ROOT / ds_file["deepspeed_config_file"]).read_text())
+    ds_config.update(bf16={"enabled": precision == "bf16"}, fp16={"enabled": precision == "fp16"})
+    out = Path(tempfile.gettempdir()) / "accelerate-recipes-tests" / f"{Path(config).stem}.{precision}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json(out, ds_config)
+    return out
+
+
 def launch_command(recipe: str, args: list[str], hf_home: Path, config: str = "cpu.yaml",
                    launch_args: list[str] | None = None, env: dict | None = None,
                    recipe_path: Path | None = None) -> tuple[list[str], dict]:
     """The `accelerate launch` command line and environment of a recipe run."""
     launch_args = launch_args if launch_args is not None else ["--num_cpu_threads_per_process", "2"]
+    if config.startswith("deepspeed") and "--mixed_precision" in launch_args:  # the JSON decides: say it there
+        precision = launch_args[launch_args.index("--mixed_precision") + 1]
+        launch_args = [*launch_args, "--deepspeed_config_file", str(deepspeed_json_in(config, precision))]
     cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "accelerate_configs" / config), *launch_args,
            str(recipe_path or ROOT / "recipes" / recipe), *args]
     full_env = launch_env(hf_home)
@@ -261,6 +282,12 @@ PAIRS = {
                                                                 "deepspeed_zero3_offload.yaml"),
     "train.py/deepspeed_zero3_offload.yaml": ("train.py", "deepspeed_zero3_offload.yaml"),
 }
+# Options a pair's run adds. The DeepSpeed recipe's run (no parity partner: its zero.Init draws
+# another random init) clips at 0.5, so a --max_grad_norm that does not reach DeepSpeed's config
+# (accelerate fills "auto" with 1.0) shows in its engine (test_distributed).
+PAIR_ARGS = {"deepspeed_zero3_offload.py/deepspeed_zero3_offload.yaml": ["--max_grad_norm", "0.5"]}
+
+
 @pytest.fixture(scope="session")
 def initial_model(tmp_path_factory):
     """The reference run's initial weights (seed 1234, debug preset), saved as a HF folder.
@@ -285,7 +312,7 @@ def two_process_runs(tmp_path_factory, hf_home, initial_model):
         if pair not in runs:
             recipe, config = PAIRS[pair]
             out = tmp_path_factory.mktemp(pair.replace("/", "__"))
-            args = TWO_RANK_ARGS + ["--output_dir", str(out)]
+            args = TWO_RANK_ARGS + PAIR_ARGS.get(pair, []) + ["--output_dir", str(out)]
             if recipe == "train.py":
                 args += ["--save_every", "30", "--sample_length", "8"]  # the resume tests start from step 30
             if pair.startswith("train.py/") and config != "ddp.yaml":

@@ -90,6 +90,12 @@ def test_clipping_bounds_the_full_gradient_and_logs_the_pre_clip_norm(name, accu
         assert row["grad_norm_after_clip"] == pytest.approx(MAX_GRAD_NORM, rel=1e-4)
 
 
+def test_deepspeed_clips_at_max_grad_norm_inside_its_step(accumulation_runs):
+    """Under DeepSpeed the recipe does not clip: the engine does, at its config's gradient_clipping."""
+    for strategy in (rank["strategy"] for rank in accumulation_runs("ZeRO-3, 1 x 4 x 2 ranks").final):
+        assert strategy["gradient_clipping"] == strategy["optimizer_clip_grad"] == MAX_GRAD_NORM, strategy
+
+
 def test_ddp_syncs_only_on_the_last_micro_batch(accumulation_runs):
     run = accumulation_runs("DDP, 1 x 4 x 2 ranks")
     buckets = run.probed("ddp_buckets")[0]  # rank 0: [bucket index, gradient elements] per all-reduce

@@ -56,6 +56,9 @@ def test_bad_cli(argv, message):
     ("- a\n- b\n", "expected a mapping"),
     ("bogus_key: 3\n", "unknown option 'bogus_key'"),
     ("preset: huge\n", "unknown preset 'huge'"),
+    ("max_steps: [4, 5]\n", "bad.yaml: max_steps takes one value, got a list"),
+    ("", "bad.yaml is empty"),
+    ("# only comments\n\n# here\n", "bad.yaml is empty"),
 ])
 def test_bad_yaml(tmp_path, text, message):
     path = tmp_path / "bad.yaml"
@@ -75,3 +78,28 @@ def test_help_lists_every_option(capsys):
     text = capsys.readouterr().out
     for f in dataclasses.fields(TrainConfig):
         assert f"--{f.name}" in text
+
+
+def test_a_yaml_list_is_one_value_only_for_an_option_that_takes_several(tmp_path):
+    files = [tmp_path / "a.txt", tmp_path / "b.txt"]
+    for f in files:
+        f.write_text("hello\n")
+    path = tmp_path / "run.yaml"
+    path.write_text(f"data_files: [{files[0]}, {files[1]}]\nmax_steps: [4, 5]\n")
+    with pytest.raises(ConfigError) as err:
+        parse_train(["--config", str(path)])
+    assert str(err.value) == f"{path}: max_steps takes one value, got a list"
+    path.write_text(f"data_files: [{files[0]}, {files[1]}]\nmax_steps: 40\n")
+    assert parse_train(["--config", str(path)]).data_files == [str(f) for f in files]
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing set yet\n")
+    with pytest.raises(ConfigError) as err:
+        parse_train(["--config", str(empty)])
+    assert str(err.value) == f"config file {empty} is empty"
+
+
+def test_option_errors_are_the_same_on_every_rank():
+    """Every rank parses the same command line: one process per launcher prints the line."""
+    with pytest.raises(ConfigError) as err:
+        parse_train(["--bogus", "1"])
+    assert err.value.every_rank

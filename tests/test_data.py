@@ -1,7 +1,9 @@
 """Data, in-process: the test corpus generator's bytes, packing, the loader's order, the sources."""
 
+import dataclasses
 import hashlib
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -268,3 +270,146 @@ def test_two_tokenising_processes_give_the_same_stream(tmp_path, monkeypatch):
         hashes[num_proc] = hashlib.sha256(stream_of(cfg, data.build_tokenizer(cfg)).tobytes()).hexdigest()
     assert hashes[None] == hashes[2]
     assert list((tmp_path / "cache_2").rglob("*_00001_of_00002.arrow"))  # two processes really tokenised
+
+
+# ---- the data files users have: csv, parquet, folders, globs (issue 29) ----
+ROWS = [f"document {i}: {word}" for i, word in enumerate(["alpha", "beta, with a comma", "gamma\nover two lines",
+                                                          "delta", "epsilon", "zeta"])]
+
+
+def test_csv_parquet_folders_and_globs_read_as_their_rows(hf_cache, tmp_path):
+    import datasets
+
+    source = datasets.Dataset.from_dict({"id": list(range(len(ROWS))), "body": ROWS})
+    source.to_parquet(str(tmp_path / "rows.parquet"))
+    source.to_csv(str(tmp_path / "rows.csv"), index=False)
+    for name in ("rows.parquet", "rows.csv"):  # the text column is --text_column, as for JSON
+        assert data.load_documents(TrainConfig(data_files=[str(tmp_path / name)], text_column="body"))["text"] == ROWS
+    folder = tmp_path / "shards"
+    (folder / "more").mkdir(parents=True)
+    for i, name in enumerate(["b.jsonl", "a.jsonl", "more/c.jsonl"]):  # written out of order
+        (folder / name).write_text("\n".join(json.dumps({"text": t}) for t in ROWS[2 * i: 2 * i + 2]) + "\n")
+    (folder / "README.md").write_text("about these shards\n")  # skipped, as datasets skips it
+    (folder / ".hidden.jsonl").write_text(json.dumps({"text": "not read"}) + "\n")  # skipped: hidden
+    in_order = ROWS[2:4] + ROWS[0:2] + ROWS[4:6]  # a.jsonl, b.jsonl, more/c.jsonl: sorted paths
+    assert data.load_documents(TrainConfig(data_files=[str(folder)]))["text"] == in_order
+    assert data.load_documents(TrainConfig(data_files=[str(folder / "*.jsonl")]))["text"] == in_order[:4]
+    assert data.load_documents(TrainConfig(data_files=[str(folder / "**" / "*.jsonl")]))["text"] == in_order
+    # as the user gave them (recorded so in run_summary.json and the checkpoints), resolved when read
+    cfg = parse(TrainConfig, ["--data_files", str(folder / "*.jsonl"), "--eval_data_files", str(folder / "more")],
+                recipe="train.py")
+    assert cfg.data_files == [str(folder / "*.jsonl")] and cfg.eval_data_files == [str(folder / "more")]
+    assert data.load_documents(cfg, held_out=True)["text"] == ROWS[4:6]
+
+
+def test_a_glob_reads_the_same_files_in_the_same_order_whatever_the_folder_listing(tmp_path):
+    from common.config import data_file_list
+
+    for name in ("3.txt", "1.txt", "2.txt"):
+        (tmp_path / name).write_text(f"text of {name}\n")
+    expected = [str(tmp_path / f"{i}.txt") for i in (1, 2, 3)]
+    assert data_file_list([str(tmp_path / "*.txt")]) == data_file_list([str(tmp_path)]) == expected
+    # several entries keep the order given: each entry's own files are sorted
+    assert data_file_list([str(tmp_path / "3.txt"), str(tmp_path / "[12].txt")]) == expected[2:] + expected[:2]
+
+
+def data_file_cases(tmp_path):
+    (tmp_path / "empty_folder").mkdir()
+    (tmp_path / "no_data").mkdir()
+    (tmp_path / "no_data" / "notes.md").write_text("notes\n")
+    (tmp_path / "blank.txt").write_text("\n \n")
+    (tmp_path / "a.csv").write_text("text\nhello\n")
+    (tmp_path / "b.jsonl").write_text('{"text": "hello"}\n')
+    (tmp_path / "c.md").write_text("hello\n")
+    return {
+        "missing file": ([tmp_path / "nope.jsonl"], f"data file not found: {tmp_path / 'nope.jsonl'}"),
+        "glob matching nothing": ([tmp_path / "*.parquet"], f"no file matches {tmp_path / '*.parquet'}"),
+        "empty file": ([tmp_path / "blank.txt"], f"data file is empty: {tmp_path / 'blank.txt'}"),
+        "empty folder": ([tmp_path / "empty_folder"], "no .txt/.text/.json/.jsonl/.csv/.parquet file in the folder "
+                         f"{tmp_path / 'empty_folder'}"),
+        "folder without data files": ([tmp_path / "no_data"], "no .txt/.text/.json/.jsonl/.csv/.parquet file"),
+        "mixed formats": ([tmp_path / "a.csv", tmp_path / "b.jsonl"],
+                          "data files must all be .txt, all .json/.jsonl, all .csv or all .parquet; got .csv, .jsonl"),
+        "unknown format": ([tmp_path / "c.md"], "data files must all be .txt, all .json/.jsonl, all .csv or all "
+                           ".parquet; got .md"),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing file", "glob matching nothing", "empty file", "empty folder",
+                                  "folder without data files", "mixed formats", "unknown format"])
+@pytest.mark.parametrize("option", ["--data_files", "--eval_data_files"])
+def test_bad_data_files_are_one_line_before_anything_loads(tmp_path, case, option):
+    paths, message = data_file_cases(tmp_path)[case]
+    paths = [str(p) for p in paths]
+    argv = ["--data_files", *paths] if option == "--data_files" else [
+        "--data_files", str(tmp_path / "b.jsonl"), "--eval_data_files", *paths]
+    with pytest.raises(ConfigError) as err:
+        parse(TrainConfig, argv, recipe="train.py")
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert err.value.every_rank  # the same on every rank: one process per launcher prints it
+
+
+# ---- too little data for one micro-batch: an error, never a loop waiting for ever (issue 29) ----
+def test_training_data_that_cannot_fill_a_micro_batch_on_every_rank_is_refused(hf_cache, tmp_path):
+    small, held_out = tmp_path / "small.txt", tmp_path / "held_out.txt"
+    small.write_text("a short training file, " * 20 + "\n")  # 461 bytes + EOS: 7 blocks of 65 tokens
+    held_out.write_text("held-out text, " * 10 + "\n")
+    cfg = TrainConfig(data_files=[str(small)], eval_data_files=[str(held_out)], seq_len=64, micro_batch_size=8)
+    train, eval_set = data.build_datasets(cfg, data.build_tokenizer(cfg))
+    assert len(train) == 7
+    with pytest.raises(ConfigError) as err:
+        data.build_loaders(cfg, train, eval_set, pin_memory=False)
+    assert str(err.value) == ("the training set has 7 blocks of 65 tokens; one micro-batch on each of 1 data-parallel "
+                              "rank(s) needs 8 (--micro_batch_size 8 x 1): lower --micro_batch_size or --seq_len, "
+                              "or give more data")
+    assert err.value.every_rank
+    fits = TrainConfig(data_files=[str(small)], eval_data_files=[str(held_out)], seq_len=64, micro_batch_size=7)
+    assert len(data.build_loaders(fits, train, eval_set, pin_memory=False)[0]) == 1
+    with pytest.raises(ConfigError, match="has 7 blocks .* on each of 2 data-parallel rank.* needs 8 "):
+        data.build_loaders(TrainConfig(micro_batch_size=4), train, eval_set, pin_memory=False, data_ranks=2)
+    # one document, not packed: one row
+    unpacked = TrainConfig(data_files=[str(small)], eval_data_files=[str(held_out)], packing=False, micro_batch_size=2)
+    train, eval_set = data.build_datasets(unpacked, data.build_tokenizer(unpacked))
+    with pytest.raises(ConfigError, match=r"has 1 documents; .* needs 2 .*: lower --micro_batch_size, or give more"):
+        data.build_loaders(unpacked, train, eval_set, pin_memory=False)
+
+
+def test_an_epoch_without_a_batch_raises_instead_of_spinning():
+    from common.config import TrainingError
+    from conftest import load_recipe
+
+    class NoBatches(list):
+        def set_epoch(self, epoch):
+            pass
+
+    batches = load_recipe("train").batches_forever(SimpleNamespace(process_index=0), NoBatches())
+    with pytest.raises(TrainingError, match="epoch 0 of the training data gave rank 0 no micro-batch"):
+        next(batches)
+
+
+def test_a_stream_without_a_micro_batch_on_some_rank_stops_every_rank(hf_cache, tmp_path):
+    """Each rank learns at the first batch whether every rank has one: all stop with the same line."""
+    import torch
+
+    from train_extras import data_at_scale
+
+    small = tmp_path / "small.jsonl"
+    small.write_text(json.dumps({"text": "x" * 200}) + "\n")  # 201 tokens: 3 blocks of 65
+    cfg = parse(TrainConfig, ["--data_files", str(small), "--eval_data_files", str(small), "--streaming",
+                              "--seq_len", "64", "--micro_batch_size", "4"], recipe="train.py")
+    tokenizer = data.build_tokenizer(cfg)
+
+    def first_batch(cfg, others_have: list[int]):
+        loader, _ = data_at_scale.streamed_loaders(cfg, data_at_scale.StreamedBlocks(cfg, tokenizer, 0, 1), [], False)
+        accelerator = SimpleNamespace(device=torch.device("cpu"), process_index=0,
+                                      gather=lambda mine: torch.cat([mine, torch.tensor(others_have)]))
+        return next(data_at_scale.streamed_batches(accelerator, loader))
+
+    with pytest.raises(ConfigError) as err:
+        first_batch(cfg, [1])  # this rank (0) has none; rank 1 has one
+    assert "the part of the stream of rank(s) 0 (of 2) holds no full micro-batch of 4 blocks of 65 tokens" in str(err)
+    assert err.value.every_rank
+    fits = dataclasses.replace(cfg, micro_batch_size=3)
+    with pytest.raises(ConfigError, match=r"rank\(s\) 1, 2 \(of 3\) holds no full micro-batch of 3 blocks"):
+        first_batch(fits, [0, 0])  # this rank has its batch, ranks 1 and 2 have none: it stops as they do
+    assert first_batch(fits, [1])["input_ids"].shape == (3, 64)

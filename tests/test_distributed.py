@@ -4,6 +4,9 @@ many tests read each run's run_summary.json. Reference: the 1-process `train_run
 import shutil
 
 import pytest
+import transformers
+from transformers import AutoConfig
+
 from conftest import (PAIRS, ROOT, TWO_RANK_ARGS, Run, check_export_reproduces_model, check_loss_goes_down,
                       launch_two_processes)
 
@@ -61,6 +64,24 @@ def test_fsdp_shards_every_parameter_on_dim0(pair, two_process_runs):
     assert sum(rank["local_numel"] for rank in ranks) == total
 
 
+@pytest.mark.parametrize("pair", ["fsdp_full_shard.py/fsdp.yaml", "train.py/fsdp.yaml"])
+def test_fsdp_shard_units_are_each_decoder_block_and_the_root(pair, two_process_runs):
+    """fully_shard was applied to every decoder block (the model's own class, its _no_split_modules,
+    read here from the exported model's class) and to the root, so a block's parameters are gathered
+    one block at a time. fully_shard on the root alone shards every parameter on dim 0 as well and
+    trains to the same losses: only the units show that it would gather the whole model at once."""
+    run = two_process_runs(pair)
+    config = AutoConfig.from_pretrained(run.summary["export"])
+    model_class = getattr(transformers, config.architectures[0])
+    (block,) = model_class._no_split_modules
+    strategy = run.strategy
+    units = strategy.get("shard_units", {})
+    assert strategy["engine"] == "fsdp2" and run.final[0]["model_class"] == model_class.__name__, strategy
+    assert units.get(block) == config.num_hidden_layers and units.get(model_class.__name__) == 1, units
+    # accelerate may give a leaf (embedding, final norm, LM head) a unit of its own too, never two
+    assert all(count == 1 for name, count in units.items() if name != block), units
+
+
 @pytest.mark.parametrize("pair", ["deepspeed_zero3_offload.py/deepspeed_zero3_offload.yaml",
                                   "train.py/deepspeed_zero3_offload.yaml"])
 def test_zero3_partitions_every_parameter(pair, two_process_runs):
@@ -71,6 +92,21 @@ def test_zero3_partitions_every_parameter(pair, two_process_runs):
         assert abs(rank["local_numel"] - total / 2) / total < 0.01
     # DeepSpeed pads each partition to equal size, so the parts may add up to slightly more.
     assert total <= sum(rank["local_numel"] for rank in ranks) < total * 1.01
+
+
+@pytest.mark.parametrize("pair", ["deepspeed_zero3_offload.py/deepspeed_zero3_offload.yaml",
+                                  "train.py/deepspeed_zero3_offload.yaml"])
+def test_deepspeed_clips_at_max_grad_norm(pair, two_process_runs):
+    """DeepSpeed clips inside its own step, at its config's gradient_clipping, which accelerate fills
+    with 1.0 from "auto": the recipe must put --max_grad_norm there before prepare. Read from the
+    built engine and the threshold its ZeRO optimizer clips at. The recipe's run clips at 0.5
+    (conftest.PAIR_ARGS), so 1.0 left in place fails here; train.py's keeps 1.0 for its parity test
+    (tests/test_model_families.py runs train.py's DeepSpeed clipping at another value)."""
+    run = two_process_runs(pair)
+    max_grad_norm = run.summary["setup"]["options"]["max_grad_norm"]
+    for strategy in (rank["strategy"] for rank in run.final):
+        assert strategy["gradient_clipping"] == strategy["optimizer_clip_grad"] == max_grad_norm, strategy
+    assert max_grad_norm == (0.5 if pair.startswith("deepspeed_zero3_offload.py") else 1.0)
 
 
 PARITY = {

@@ -12,7 +12,10 @@ from conftest import ROOT, SYNTHETIC, load_recipe
 from train_extras.options import TrainConfig
 
 CORE = ROOT / "common"
-CORE_LINE_BUDGET = 900
+# 900 until issue 29 (1,064 after it): local data as users have it (folders, globs, csv, parquet),
+# an error every rank hits printed once, the export swapped in whole (common/files.py). Kept a budget:
+# what only train.py needs goes to train_extras/.
+CORE_LINE_BUDGET = 1100
 RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*.py") if p.name not in ("train.py", "generate.py"))
 
 
@@ -70,8 +73,8 @@ COMPANIONS = {"eval_split": ["--dataset_name", "some/dataset"], "eval_data_files
 
 def option_argv(option: dataclasses.Field, tmp_path) -> list[str]:
     if option.name == "config":
-        (tmp_path / "empty.yaml").write_text("")
-        return ["--config", str(tmp_path / "empty.yaml")]
+        (tmp_path / "seed.yaml").write_text("seed: 1234\n")  # one option: an empty config file is refused
+        return ["--config", str(tmp_path / "seed.yaml")]
     value = SAMPLE_VALUES.get(option.name, option.default)
     if isinstance(value, bool):
         value = "true" if value else "false"

@@ -41,6 +41,9 @@ DISTRIBUTED_TYPE = {"cpu.yaml": "NO", "ddp.yaml": "MULTI_CPU", "fsdp.yaml": "FSD
 # Short runs on the synthetic corpus (learnable in a few dozen steps); global batch 8.
 ARGS = ["--data_files", SYNTHETIC, "--seq_len", "64", "--max_steps", "24",
         "--warmup_steps", "4", "--eval_every", "24", "--log_every", "8", "--sample_length", "24"]
+# Under DeepSpeed another clipping threshold than accelerate's 1.0 for "auto": train.py must hand
+# --max_grad_norm to DeepSpeed's config (no other DeepSpeed run of train.py can change its 1.0).
+DEEPSPEED_ARGS = ["--max_grad_norm", "0.5"]
 
 
 @pytest.fixture(scope="session")
@@ -81,6 +84,7 @@ def family_runs(tmp_path_factory, hf_home, family_models, byte_tokenizer):
                               hf_home, config=config, env=HARNESS,
                               launch_args=TWO_PROCESS_LAUNCH + ["--parallelism_config_tp_size", "2"])
             else:
+                args += DEEPSPEED_ARGS if config.startswith("deepspeed") else []
                 proc = launch("train.py", args + ["--micro_batch_size", "4"], hf_home, config=config,
                               launch_args=TWO_PROCESS_LAUNCH, env=TWO_CPU_PROCESSES[config])
             runs[family, config] = Run(out, proc)
@@ -123,6 +127,16 @@ def test_fsdp2_shards_by_the_familys_own_block(family, family_runs):
     # accelerate also gives the embedding, final norm and LM head units of their own
     assert units[BLOCK[family]] == 2 and units[MODEL_CLASS[family]] == 1, units
     assert all(count == 1 for name, count in units.items() if name != BLOCK[family]), units
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_deepspeed_clips_at_train_pys_max_grad_norm(family, family_runs):
+    """DeepSpeed clips inside its step at its config's gradient_clipping ("auto" is 1.0 by
+    accelerate): read from the built engine and its ZeRO optimizer, it is --max_grad_norm, 0.5."""
+    run = family_runs(family, "deepspeed_zero3_offload.yaml")
+    assert run.summary["setup"]["options"]["max_grad_norm"] == 0.5
+    for engine in (rank["strategy"] for rank in run.final):
+        assert engine["gradient_clipping"] == engine["optimizer_clip_grad"] == 0.5, engine
 
 
 @pytest.mark.parametrize("family, config", RUNS)

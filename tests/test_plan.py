@@ -411,7 +411,11 @@ def test_launch_line_flags():
     assert fsdp == ("accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 4 --mixed_precision "
                     "fp16 --fsdp_activation_checkpointing true recipes/train.py --preset 1b --seq_len 512 "
                     "--micro_batch_size 2")
+    zero, how = zero.split("\n")
     assert zero.endswith("--micro_batch_size 2 --gradient_checkpointing") and "--fsdp_activation" not in zero
+    # DeepSpeed's JSON enables bf16 and --mixed_precision cannot override it: a copy of the JSON says fp16
+    assert "--mixed_precision" not in zero and "--deepspeed_config_file my_deepspeed_zero3.json" in zero
+    assert '"bf16": {"enabled": false}, "fp16": {"enabled": true}' in how
 
 
 def test_model_folder(tmp_path, capsys):

@@ -407,6 +407,7 @@ def test_a_world_size_change_inside_a_micro_step_is_refused_before_any_work(tmp_
             "config": {"preset": "debug", "micro_batch_size": 2, "gradient_accumulation_steps": 2,
                        "model_name_or_path": None},
             "setup": {"distributed_type": "FSDP", "world_size": 4}}
+    meta["metadata_checksum"] = checkpoint.metadata_digest(meta)  # as a save writes it
     (tmp_path / "checkpoint.json").write_text(json.dumps(meta))
     cfg = TrainConfig(preset="debug", micro_batch_size=2, gradient_accumulation_steps=1)
     with pytest.raises(ConfigError, match="8 samples into an epoch.*micro-steps of 16"):

@@ -1,12 +1,12 @@
-"""Checkpoints and export.
+"""Resumable checkpoints: save, verify, resume the same run (or refuse).
 
-Resumable checkpoints: `<output_dir>/checkpoints/step_<N>/` holds accelerate's `save_state` (model,
+`<output_dir>/checkpoints/step_<N>/` holds accelerate's `save_state` (model,
 optimizer, scheduler, GradScaler, every rank's RNG; sharded per rank under FSDP2 and DeepSpeed;
 under tensor parallelism, where the model and optimizer are not accelerate's, their shards go to
 torch.distributed.checkpoint in `model_optimizer_dcp/`, train_extras/parallel.py) plus
 `checkpoint.json`: the step, the data position, the resolved config and the list of every file
-with its size. Rotation keeps the newest --save_total_limit by step number (never sorted as
-text: step_9 < step_10).
+with its size and checksum, plus a checksum of its own content. Rotation keeps the newest
+--save_total_limit by step number (never sorted as text: step_9 < step_10).
 
 Crash safety: a checkpoint is written under `.step_<N>.partial`, its files are fsynced, and it is
 renamed to `step_<N>` only when every rank has finished and checkpoint.json is complete. A folder
@@ -24,6 +24,11 @@ back to the newest checkpoint that verifies, setting the damaged ones aside as `
 only. (xxh3 runs at ~25 GB/s on one core here; benchmarks/checkpoint_checksums.py measures the cost.)
 `load` turns any remaining load failure into one line naming the checkpoint.
 
+Resuming is the same run or a refusal (`check_compatible`): another model, tokenizer, data, seed,
+seq_len, strategy or global batch is refused in one line naming the setting; the schedule, its
+length and the cadences may change and are applied from the first resumed step (`apply_schedule`)
+and recorded (run_summary.json `resumed_from.changed`, and the new checkpoints' config).
+
 The export at the end of a run is common/export.py.
 """
 
@@ -40,7 +45,8 @@ from concurrent.futures import ThreadPoolExecutor
 import xxhash
 from accelerate.utils import DistributedType, broadcast_object_list, gather_object
 
-from common.config import ConfigError, TrainingError, data_parallel_size, one_line, tensor_parallel_size
+from common.config import (ConfigError, TrainingError, data_file_list, data_parallel_size, one_line,
+                           tensor_parallel_size)
 from common.files import write_json
 from train_extras import parallel
 from train_extras.output_dir import disk_full, free_bytes
@@ -71,7 +77,15 @@ def resolve_resume(cfg) -> Path | None:
     return Path(cfg.resume_from_checkpoint)
 
 
+def metadata_digest(meta: dict) -> str:
+    """xxh3-128 of checkpoint.json's content (its own checksum left out), in one canonical form."""
+    body = {k: v for k, v in meta.items() if k != "metadata_checksum"}
+    return xxhash.xxh3_128(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def read_metadata(path: str | Path) -> dict:
+    """checkpoint.json, checked against its own checksum: it holds the data position and the step,
+    which no other file's checksum covers, so an edit there would silently resume elsewhere."""
     meta_file = Path(path) / METADATA
     try:
         meta = json.loads(meta_file.read_text())
@@ -79,6 +93,10 @@ def read_metadata(path: str | Path) -> dict:
         raise ConfigError(f"unreadable checkpoint metadata {meta_file}: {err}") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict):
         raise ConfigError(f"{meta_file} has no file list: not a checkpoint this code wrote")
+    if meta.get("metadata_checksum") != metadata_digest(meta):
+        what = "has no checksum of its own" if "metadata_checksum" not in meta else "does not match its own checksum"
+        raise ConfigError(f"{meta_file} {what} (edited or damaged since it was written: its step and data position "
+                          "cannot be trusted); resume from another checkpoint")
     return meta
 
 
@@ -183,6 +201,18 @@ def resume_point(cfg, accelerator) -> tuple[Path | None, dict | None]:
 REPLICATED = ("NO", "MULTI_CPU", "MULTI_GPU")
 
 
+# What a run trains on and from: a resumed run that changes one of them would train another model
+# on other data (or its data position would point elsewhere), so it is refused. The optimizer's own
+# hyperparameters are kept in its state (load_state restores them): refused too, not silently undone.
+TRAINED_ON = ("seed", "seq_len", "preset", "model_name_or_path", "tokenizer_name_or_path", "attn_implementation",
+              "dataset_name", "dataset_config", "dataset_split", "eval_split", "data_files", "eval_data_files",
+              "txt_documents", "text_column", "eval_fraction", "add_bos", "packing",
+              "weight_decay", "adam_beta1", "adam_beta2", "adam_eps")
+# What a resumed run may change, applied from its first step and recorded as applied; every other
+# option changes nothing that was trained (cadences of logs, samples, trackers, timeouts, export).
+APPLIED_ON_RESUME = ("lr", "lr_schedule", "warmup_steps", "warmup_ratio", "min_lr_ratio", "decay_fraction", "max_steps",
+                     "max_grad_norm", "eval_every", "eval_batches", "save_every", "save_total_limit", "log_every")
+
 # What makes a stream the same stream: a resumed streamed run skips that many blocks of it.
 STREAM_IDENTITY = ("data_files", "dataset_name", "dataset_config", "dataset_split", "text_column", "txt_documents",
                    "add_bos", "seq_len", "seed", "tokenizer_name_or_path", "model_name_or_path")
@@ -230,6 +260,12 @@ def check_compatible(path: str | Path, cfg, accelerator, meta: dict | None = Non
     if changed:
         raise ConfigError(f"{meta_file} streamed other data: --{', --'.join(changed)} differ; a streamed run resumes "
                           "by reading the same stream again up to its place")
+    changed = [key for key in TRAINED_ON if key in saved_cfg and saved_cfg[key] != getattr(cfg, key)]
+    if changed:
+        diffs = ", ".join(f"--{key} {saved_cfg[key]!r} (this run: {getattr(cfg, key)!r})" for key in changed)
+        raise ConfigError(f"{meta_file} was trained with {diffs}: that would train on other data or from another "
+                          "model, not continue this run; resume with the checkpoint's settings, or start afresh in "
+                          "another --output_dir")
     if saved_world != this_world:
         _samples_into_epoch(meta, cfg, this_world)  # raises if the position falls inside a micro-step here
     saved_batch = saved_cfg.get("micro_batch_size", 0) * saved_cfg.get("gradient_accumulation_steps", 0) * saved_world
@@ -240,6 +276,46 @@ def check_compatible(path: str | Path, cfg, accelerator, meta: dict | None = Non
             f"({cfg.micro_batch_size} micro x {cfg.gradient_accumulation_steps} accum x {this_world} ranks): "
             "choose --micro_batch_size and --gradient_accumulation_steps that keep it")
     return meta
+
+
+def data_identity(cfg, train_blocks: int | None) -> dict:
+    """What the data options resolved to: the files (a folder or glob as the files it matched) and
+    the number of training blocks (or documents) they made."""
+    return {"data_files": data_file_list(cfg.data_files), "eval_data_files": data_file_list(cfg.eval_data_files),
+            "train_blocks": train_blocks}
+
+
+def check_same_data(path, meta: dict, cfg, train_blocks: int | None) -> None:
+    """The same options can name other data: a glob or folder that matches other files now, a file
+    rewritten. Refused when the files or the number of training blocks differ from the checkpoint's."""
+    saved, now = meta.get("data"), data_identity(cfg, train_blocks)
+    if saved is None:  # (a checkpoint from before this record: its options were compared already)
+        return
+    differ = [key for key in now if saved.get(key) != now[key]]
+    if differ:
+        diffs = "; ".join(f"{key} {saved.get(key)} (this run: {now[key]})" for key in differ)
+        raise ConfigError(f"{Path(path) / METADATA} was trained on other data: {diffs}; resume on the same data, "
+                          "or start afresh in another --output_dir")
+
+
+def resume_changes(meta: dict, cfg) -> dict:
+    """{option: [checkpoint's value, this run's]} for the options a resumed run may change (the
+    schedule, its length, clipping, cadences): this run applies its own (`apply_schedule`)."""
+    saved_cfg = meta.get("config", {})
+    return {key: [saved_cfg[key], getattr(cfg, key)] for key in APPLIED_ON_RESUME
+            if key in saved_cfg and saved_cfg[key] != getattr(cfg, key)}
+
+
+def apply_schedule(scheduler, cfg) -> None:
+    """After load_state, the schedule's base rate and each group's current lr are the checkpoint's;
+    its lr functions were built from this run's options. Set both from this run's --lr and schedule,
+    at the resumed step, so a changed --lr, schedule or --max_steps holds from the first resumed
+    step; unchanged, the values are bitwise those saved (the same expression LambdaLR computes)."""
+    inner = getattr(scheduler, "scheduler", scheduler)  # accelerate's AcceleratedScheduler wraps it
+    inner.base_lrs = [cfg.lr for _ in inner.base_lrs]  # every group starts from --lr (common/model.py)
+    for group, base, lr_at in zip(inner.optimizer.param_groups, inner.base_lrs, inner.lr_lambdas, strict=True):
+        group["initial_lr"], group["lr"] = base, base * lr_at(inner.last_epoch)
+    inner._last_lr = [group["lr"] for group in inner.optimizer.param_groups]
 
 
 def data_position(meta: dict, cfg, world_size: int, batches_per_epoch: int) -> tuple[int, int]:
@@ -321,8 +397,8 @@ def save(accelerator, output_dir: str | Path, step: int, metadata: dict, keep: i
     def write_metadata():
         if accelerator.is_main_process:
             files = {name: (partial / name).stat().st_size for name in names}
-            write_json(partial / METADATA, {"step": step, **metadata, "files": files, "checksum": DIGEST,
-                                            "checksums": checksums})
+            meta = {"step": step, **metadata, "files": files, "checksum": DIGEST, "checksums": checksums}
+            write_json(partial / METADATA, {**meta, "metadata_checksum": metadata_digest(meta)})
 
     _unless_disk_full(write_metadata, accelerator, root, partial, final)
     if accelerator.is_main_process:
@@ -403,7 +479,7 @@ def _unless_disk_full(write, accelerator, root: Path, partial: Path, final: Path
     raise TrainingError(f"rank {rank} failed while saving {final}: {failures[rank][6:]}")
 
 
-def load(accelerator, path: str | Path, optimizer, scheduler, model=None) -> None:
+def load(accelerator, path: str | Path, optimizer, scheduler, cfg, model=None) -> None:
     """Restore everything save_state wrote (call on every rank); checkpoint.json was read by check_compatible.
 
     A failure here (a file damaged in place, with its size intact) leaves the model half loaded:
@@ -420,3 +496,4 @@ def load(accelerator, path: str | Path, optimizer, scheduler, model=None) -> Non
         # scheduler would keep setting the lr of the old ones and the real lr would freeze at its
         # value at save time (measured: resumed ZeRO-3 losses drifted from step N+3 on).
         scheduler.scheduler.optimizer = optimizer.optimizer
+    apply_schedule(scheduler, cfg)

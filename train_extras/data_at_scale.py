@@ -19,6 +19,7 @@ size and micro-batch, which the checkpoint check enforces).
 from __future__ import annotations
 
 import contextlib
+import itertools
 from datetime import timedelta
 
 import numpy as np
@@ -27,7 +28,7 @@ from accelerate.utils import send_to_device
 from torch.utils.data import DataLoader, IterableDataset
 
 from common import data
-from common.config import ConfigError, TrainingError, one_line
+from common.config import ConfigError, TrainingError, data_file_list, one_line, same_on_every_rank
 
 SHUFFLE_BUFFER = 10_000  # documents; datasets' default is 1000
 
@@ -80,9 +81,10 @@ class StreamedBlocks(IterableDataset):
 
         cfg = self.cfg
         try:
-            if cfg.data_files:
-                builder, kwargs = data.file_builder(cfg.data_files, cfg.txt_documents)
-                ds = datasets.load_dataset(builder, data_files=cfg.data_files, split="train", streaming=True, **kwargs)
+            if cfg.data_files:  # folders and globs as the files they name, sorted
+                files = data_file_list(cfg.data_files)
+                builder, kwargs = data.file_builder(files, cfg.txt_documents)
+                ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **kwargs)
             else:
                 ds = datasets.load_dataset(cfg.dataset_name, cfg.dataset_config, split=cfg.dataset_split,
                                            streaming=True)
@@ -118,18 +120,30 @@ def streamed_loaders(cfg, train: StreamedBlocks, held_out, pin_memory: bool):
 
 
 def streamed_batches(accelerator, loader, skip: int = 0):
-    """Micro-batches on the device across passes, after skipping the first `skip` (a resumed run)."""
-    epoch = 0
+    """Micro-batches on the device across passes, after skipping the first `skip` (a resumed run).
+    At the first batch the ranks agree that each has one: a rank whose part holds no full
+    micro-batch stops every rank with the same line, not itself alone while the others wait for
+    it in the step's all-reduce (up to --collective_timeout). A pass gives as many blocks as the
+    first (the same tokens, reshuffled), so no later pass comes up empty."""
+    epoch, first = 0, True
     while True:
         loader.dataset.set_epoch(epoch)
-        empty = True
-        for batch in loader:
-            empty = False
+        batches = iter(loader)
+        head = next(batches, None)
+        if first:
+            first, have = False, accelerator.gather(torch.tensor([int(head is not None)], device=accelerator.device))
+            empty = [str(rank) for rank, has in enumerate(have.tolist()) if not has]
+            if empty:
+                with same_on_every_rank():
+                    raise ConfigError(
+                        f"the part of the stream of rank(s) {', '.join(empty)} (of {len(have)}) holds no full "
+                        f"micro-batch of {loader.batch_size} blocks of {loader.dataset.cfg.seq_len + 1} tokens: lower "
+                        "--micro_batch_size or --seq_len, use fewer processes, or give more data")
+        if head is None:  # not after a first pass that had one; and a loop must not spin
+            raise TrainingError(f"pass {epoch} over rank {accelerator.process_index}'s part of the stream: no batch")
+        for batch in itertools.chain([head], batches):
             if skip:
                 skip -= 1
                 continue
             yield send_to_device(batch, accelerator.device)
-        if empty:
-            raise ConfigError(f"rank {accelerator.process_index}'s part of the stream holds no full micro-batch of "
-                              f"{loader.batch_size} blocks of {loader.dataset.cfg.seq_len + 1} tokens")
         epoch += 1

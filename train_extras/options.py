@@ -21,6 +21,12 @@ class CheckpointOptions:
         default=True,
         metadata={"help": "Before resuming, check every checkpoint file's content against its xxh3 checksum "
                           "(false: sizes only; damage in place then goes unseen)."})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Let this run replace a finished run in --output_dir (its run_summary.json, model/). "
+                          "Without it such a folder is refused, unless the run resumes one of its checkpoints. The "
+                          "old model/ stays until the new export replaces it whole; checkpoints past this run's "
+                          "start are still refused."})
     save_on_preemption: bool = field(
         default=True,
         metadata={"help": "On SIGTERM/SIGUSR1: finish the step, save a checkpoint, write requeue.json, exit 75."})

@@ -10,6 +10,8 @@ holder's host and PID, and exits 2 having written nothing. Only rank 0 locks, so
 run on a shared file system has one holder; the other ranks get the outcome by broadcast. A file
 system without locks (Lustre mounted without `-o flock`) gets a warning; the run goes on unguarded.
 A folder the run created and left holding only the lock (bad input found later) is removed.
+
+`check_not_finished` then keeps a finished run from being overwritten: see its docstring.
 """
 
 from __future__ import annotations
@@ -88,6 +90,32 @@ def claim(folder: str | Path, accelerator) -> None:
         reason = broadcast_object_list([reason])[0]
     if reason:
         raise ConfigError(reason)
+
+
+def check_not_finished(cfg, resume_path: str | Path | None) -> None:
+    """A finished run in --output_dir is not overwritten without --overwrite_output_dir: its
+    run_summary.json (written when a run ends, with or without an export) or its model/ export. A run
+    that resumes one of the folder's own checkpoints continues that run (and may replace both); one
+    resumed from elsewhere is a new run here. Not finished: a preempted run's summary (its checkpoint
+    continues it; checkpoint.check_output_dir guards those), --eval_only's eval_summary.json (it never
+    calls this). Every rank reads the same files: the output folder is on a file system they all see."""
+    folder = Path(cfg.output_dir)
+    found = [name for name, finished in (("run_summary.json", _finished_summary(folder / "run_summary.json")),
+                                         ("model/", (folder / "model").is_dir())) if finished]
+    own = resume_path is not None and Path(resume_path).resolve().parent == (folder / "checkpoints").resolve()
+    if found and not own and not cfg.overwrite_output_dir:
+        raise ConfigError(f"{folder} holds a finished run ({', '.join(found)}): pass --overwrite_output_dir to "
+                          "replace it, or choose another --output_dir")
+
+
+def _finished_summary(path: Path) -> bool:
+    try:
+        summary = json.loads(path.read_text())
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):  # written atomically, so not one of ours: not to be overwritten unread
+        return True
+    return not (isinstance(summary, dict) and "preempted" in summary)
 
 
 def disk_full(err: BaseException) -> bool:

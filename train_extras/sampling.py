@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from common.export import unwrap
+
 
 @torch.no_grad()
 def sample_text(accelerator, model: nn.Module, tokenizer, prompt: str, max_new_tokens: int, seed: int,
@@ -17,7 +19,7 @@ def sample_text(accelerator, model: nn.Module, tokenizer, prompt: str, max_new_t
     the middle of a run leaves the training's random stream (and so exact resume) untouched."""
     from accelerate.utils import DistributedType
 
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = unwrap(accelerator, model)
     was_training = unwrapped.training
     unwrapped.eval()
     ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids.to(accelerator.device)
@@ -35,3 +37,4 @@ def sample_text(accelerator, model: nn.Module, tokenizer, prompt: str, max_new_t
         )
     unwrapped.train(was_training)
     return tokenizer.decode(out[0], skip_special_tokens=True)
+

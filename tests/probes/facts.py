@@ -54,8 +54,15 @@ def strategy_facts(model, optimizer) -> dict:
                 "offload_optimizer": str(getattr(model.zero_offload_optimizer(), "device", None)),
                 "offload_param": str(getattr(model.zero_offload_param(), "device", None)),
                 "optimizer": type(model.optimizer).__name__,
-                "inner_optimizer": type(getattr(model.optimizer, "optimizer", None)).__name__, **facts}
+                "inner_optimizer": type(getattr(model.optimizer, "optimizer", None)).__name__,
+                # where DeepSpeed clips inside its step: the engine's config, and the threshold its
+                # ZeRO optimizer was built with (0 = off)
+                "gradient_clipping": model.gradient_clipping(),
+                "optimizer_clip_grad": getattr(model.optimizer, "clip_grad", None), **facts}
     blocks = set(getattr(inner, "_no_split_modules", None) or [])
+    # the modules fully_shard was applied to (FSDPModule instances), by their own class
+    units = [class_name(m) for m in model.modules() if hasattr(m, "_get_fsdp_state")]
+    shard_units = {name: units.count(name) for name in sorted(set(units))}
     for module in model.modules():
         state = getattr(module, "_get_fsdp_state", None)
         group = state()._fsdp_param_group if state else None
@@ -63,17 +70,17 @@ def strategy_facts(model, optimizer) -> dict:
         # (embeddings, lm_head) after forward, whatever the config says.
         is_block = is_a(module, blocks) or any(is_a(m, blocks) for m in module.children())
         if group is not None and is_block:
-            # the shard units, by the class fully_shard was applied to (it renames GPT2Block FSDPGPT2Block)
-            units = [class_name(m) for m in model.modules() if hasattr(m, "_get_fsdp_state")]
+            # (by the class fully_shard was applied to: it renames GPT2Block FSDPGPT2Block)
             return {"engine": "fsdp2", "reshard_after_forward": group.post_forward_mesh_info is not None,
-                    "shard_units": {name: units.count(name) for name in sorted(set(units))},
+                    "shard_units": shard_units,
                     "offload_policy": type(group.offload_policy).__name__,
                     "offload_pin_memory": getattr(group.offload_policy, "pin_memory", None),
                     "param_dtype": str(group.mp_policy.param_dtype),
                     "sharded_param_device": str(group.fsdp_params[0].sharded_param.device),
                     "optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__, **facts}
+    # no block is a shard unit: FSDP2 on the root alone (whole-model gathers), TP, or no sharding
     return {"engine": type(model).__name__, "optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
-            **facts}
+            **({"shard_units": shard_units} if shard_units else {}), **facts}
 
 
 def optimizer_facts(optimizer) -> list[dict]:

@@ -8,6 +8,8 @@ With ACCELERATE_RECIPES_PROBE_DIR set, each rank appends JSON lines to <dir>/ran
   {"memory": {...}}          memory in use before the model is built and around the second step
   {"ddp_buckets": [...]}     DDP gradient buckets all-reduced per micro-step of the first optimizer
                              step (ACCELERATE_RECIPES_PROBE_DDP_BUCKETS=1)
+  {"applied_gradient": {...}} with a GradScaler (fp16), per optimizer step: the norm of the gradient
+                             the optimizer really applies (unscaled, clipped), or that it skipped it
   {"final": {...}}           at end_training: peak memory, what the strategy built, parameter sharding, optimizer
                              groups, the model's class, tied embeddings, tensor-parallel or HSDP
                              layout and replica drift, and fp32 logits of the trained model on PROBE_INPUT_IDS
@@ -17,6 +19,16 @@ or a node loss) at that phase of that step's checkpoint save:
   during_metadata  checkpoint.json half written (its temporary file, never renamed)
   before_rename    everything written and synced, not yet renamed to step_<N>
   during_rotation  an old checkpoint moved aside and partly deleted
+With ACCELERATE_RECIPES_FAULT=export_<phase>, the main process stops dead at that moment of the
+Hugging Face export (common/export.py writes `.model.partial` beside `model`, then swaps it in), seen
+from transformers' writers, os.fsync, os.rename and shutil.rmtree:
+  export_mid_weights      half of model.safetensors written
+  export_after_weights    the model's save_pretrained done (weights, config), no tokenizer yet
+  export_after_tokenizer  the tokenizer written, the final config not yet
+  export_before_swap      every file and the folder synced, not yet in place
+  export_set_aside        (where the swap is two renames) the old export renamed aside, the new not yet in
+  export_after_swap       the new export in place, the old one not yet removed
+  export_removing_old     the old export half removed
 With ACCELERATE_RECIPES_CPUINFO_CACHE=<file>, py-cpuinfo's get_cpu_info() is answered from that
 file, which the session's first call writes: DeepSpeed calls it three times per rank while it starts
 (CPU Adam and its op builders), each a ~3.5 s subprocess that times the CPU's clock, which made up a
@@ -44,6 +56,8 @@ PROBE_DIR = os.environ.get("ACCELERATE_RECIPES_PROBE_DIR")
 FAULT = os.environ.get("ACCELERATE_RECIPES_FAULT")
 FAULT_EXIT_CODE = 86
 FAULT_PHASES = ("after_shard", "during_metadata", "before_rename", "during_rotation")
+EXPORT_FAULT_PHASES = ("export_mid_weights", "export_after_weights", "export_after_tokenizer", "export_before_swap",
+                       "export_set_aside", "export_after_swap", "export_removing_old")
 PROBE_INPUT_IDS = list(range(10, 18))  # valid ids for every tokenizer the tests use (>= 259 entries)
 
 if os.environ.get("ACCELERATE_RECIPES_CPU_HARNESS") == "1":
@@ -95,6 +109,9 @@ def _install_probes():
         buckets = os.environ.get("ACCELERATE_RECIPES_PROBE_DDP_BUCKETS") == "1"
         if buckets and hasattr(_seen["model"], "register_comm_hook"):
             _count_ddp_buckets(_seen["model"])
+        if getattr(_seen["optimizer"], "scaler", None) is not None and not _seen.get("applied_gradient"):
+            _seen["applied_gradient"] = True
+            _record_applied_gradients(_seen["optimizer"].optimizer)
         return out
 
     Accelerator.prepare = probed_prepare
@@ -176,6 +193,25 @@ def _probe_steps(cls, facts):
     cls.step, cls.zero_grad = probed_step, probed_zero_grad
 
 
+def _record_applied_gradients(optimizer):
+    """Before each step of the optimizer that really steps (under a GradScaler): the norm of the
+    gradient it applies. A fused optimizer is handed the scaler's grad_scale (what its kernel still
+    divides by; unset when unscale_ already ran) and found_inf (its kernel then skips the step); a
+    plain one is not called at all on a skipped step."""
+    import torch
+
+    def before_step(opt, args, kwargs):
+        found_inf, grad_scale = getattr(opt, "found_inf", None), getattr(opt, "grad_scale", None)
+        if found_inf is not None and found_inf.item() > 0:
+            record("applied_gradient", {"skipped": True, "norm": None})
+            return
+        grads = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads).item() / (1.0 if grad_scale is None else grad_scale.item())
+        record("applied_gradient", {"skipped": False, "norm": norm})
+
+    optimizer.register_step_pre_hook(before_step)
+
+
 def _count_ddp_buckets(model):
     """Which gradient buckets each micro-step of the first optimizer step all-reduced (DDP's default
     all-reduce, plus a note of the bucket)."""
@@ -239,16 +275,20 @@ def _final_facts(accelerator, facts) -> dict:
 
 
 # ---- fault injection ----
-def _stop_dead(phase: str, step: int) -> None:
-    sys.stderr.write(f"fault injected: process {os.getpid()} stops dead at {phase} of step {step}\n")
+def _stop_dead(phase: str, step: int | None = None) -> None:
+    where = phase if step is None else f"{phase} of step {step}"
+    sys.stderr.write(f"fault injected: process {os.getpid()} stops dead at {where}\n")
     sys.stderr.flush()
     os._exit(FAULT_EXIT_CODE)
 
 
 def _install_faults():
     phase, _, at = FAULT.partition("@")
+    if phase in EXPORT_FAULT_PHASES:
+        return _install_export_fault(phase)
     if phase not in FAULT_PHASES:
-        raise RuntimeError(f"ACCELERATE_RECIPES_FAULT={FAULT!r}: unknown phase; choose one of {FAULT_PHASES}")
+        raise RuntimeError(f"ACCELERATE_RECIPES_FAULT={FAULT!r}: unknown phase; choose one of "
+                           f"{FAULT_PHASES + EXPORT_FAULT_PHASES}")
 
     def wanted(this_phase: str, step: int) -> bool:
         return this_phase == phase and (not at or int(at) == step) and _rank() == 0
@@ -295,6 +335,70 @@ def _install_faults():
         return out
 
     os.replace, os.rename = faulty_replace, faulty_rename
+
+
+def _install_export_fault(phase: str) -> None:
+    """The export's moments, from outside it: its files are written by transformers (weights,
+    config, tokenizer), then each is fsynced, the folder last; the swap follows (renameat2, or
+    os.rename twice), then the old export is removed with shutil.rmtree."""
+    if Path(sys.argv[0]).name == "accelerate":  # the launcher exports nothing (and would import transformers)
+        return
+    import shutil
+
+    import safetensors.torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, modeling_utils
+
+    synced = {"partial": False}  # set once the new folder itself is fsynced: the swap comes next
+
+    def stop_at(this_phase: str) -> None:
+        if this_phase == phase and _rank() == 0:
+            _stop_dead(phase)
+
+    save_file = modeling_utils.safe_save_file
+
+    def faulty_save_file(tensors, filename, *args, **kwargs):
+        if phase == "export_mid_weights" and _rank() == 0:
+            data = safetensors.torch.save(tensors, *args, **kwargs)
+            Path(filename).write_bytes(data[: len(data) // 2])  # the write cut half-way
+            _stop_dead(phase)
+        return save_file(tensors, filename, *args, **kwargs)
+
+    modeling_utils.safe_save_file = faulty_save_file
+
+    def stopping_after(method, this_phase):
+        def wrapped(self, *args, **kwargs):
+            out = method(self, *args, **kwargs)
+            stop_at(this_phase)
+            return out
+        return wrapped
+
+    PreTrainedModel.save_pretrained = stopping_after(PreTrainedModel.save_pretrained, "export_after_weights")
+    PreTrainedTokenizerBase.save_pretrained = stopping_after(PreTrainedTokenizerBase.save_pretrained,
+                                                             "export_after_tokenizer")
+    fsync, rename, rmtree = os.fsync, os.rename, shutil.rmtree
+
+    def faulty_fsync(fd):
+        out = fsync(fd)
+        if Path(os.readlink(f"/proc/self/fd/{fd}")).name == ".model.partial":
+            synced["partial"] = True
+            stop_at("export_before_swap")
+        return out
+
+    def faulty_rename(src, dst, *args, **kwargs):
+        out = rename(src, dst, *args, **kwargs)
+        if Path(dst).name == ".model.old":
+            stop_at("export_set_aside")
+        return out
+
+    def faulty_rmtree(path, *args, **kwargs):
+        if synced["partial"] and Path(path).name == ".model.partial":  # the old export, after the swap
+            stop_at("export_after_swap")
+            if phase == "export_removing_old" and _rank() == 0:
+                (Path(path) / "model.safetensors").unlink()  # half removed: the weights gone, the rest not
+                _stop_dead(phase)
+        return rmtree(path, *args, **kwargs)
+
+    os.fsync, os.rename, shutil.rmtree = faulty_fsync, faulty_rename, faulty_rmtree
 
 
 def _cache_cpu_info(cache: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from dataclasses import dataclass
 
 from tools.plan.ladder import GB, GPUS_PER_NODE, LADDER, MAX_GPUS, ModelShape, Rung, ladder
@@ -92,14 +93,22 @@ def launch_line(rung: Rung, req: Request, model_args: str) -> str:
         parts[2:2] = [f"--num_machines {machines}"]
         parts += [f"--parallelism_config_dp_replicate_size {machines}",
                   f"--parallelism_config_dp_shard_size {req.procs_per_node}"]
-    if req.precision != "bf16":  # every config in the ladder says bf16
+    if req.precision != "bf16" and rung.framework == "deepspeed":
+        # Its JSON enables bf16 and --mixed_precision cannot override that: a copy of the JSON says the precision.
+        parts.append(f"--deepspeed_config_file my_{Path(rung.config).stem}.json")
+    elif req.precision != "bf16":  # every other config in the ladder says bf16
         parts.append(f"--mixed_precision {'no' if req.precision == 'fp32' else 'fp16'}")
     if req.activation_checkpointing and rung.framework == "fsdp":
         parts.append("--fsdp_activation_checkpointing true")  # the configs' advice: FSDP's own switch
     parts += ["recipes/train.py", model_args, f"--seq_len {req.seq_len}", f"--micro_batch_size {req.micro_batch_size}"]
     if req.activation_checkpointing and rung.framework != "fsdp":
         parts.append("--gradient_checkpointing")
-    return " ".join(parts)
+    line = " ".join(parts)
+    if req.precision != "bf16" and rung.framework == "deepspeed":
+        name, fp16 = Path(rung.config).stem, "true" if req.precision == "fp16" else "false"
+        line += (f"\n    (my_{name}.json: a copy of accelerate_configs/{name}.json with "
+                 f"\"bf16\": {{\"enabled\": false}}, \"fp16\": {{\"enabled\": {fp16}}})")
+    return line
 
 
 def smallest_gpu_count(model, req: Request, rung: Rung) -> int | None:

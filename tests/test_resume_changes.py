@@ -1,0 +1,117 @@
+"""Resuming is the same run or a refusal: a change of what is trained (seq_len, seed, data, model,
+tokenizer) is refused in one line naming the setting; a change of the schedule or its length is
+applied from the first resumed step and recorded as applied; an edited checkpoint.json is caught
+by its own checksum. All from train_run's step-30 checkpoint (tests/conftest.py)."""
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+from accelerate.utils import DistributedType
+
+from common.config import ConfigError
+from common.model import build_scheduler
+from synthetic import corpus_file
+from train_extras import checkpoint
+from conftest import TRAIN_ARGS, Run, launch, parse_train
+
+SINGLE = SimpleNamespace(distributed_type=DistributedType.NO, num_processes=1)
+
+
+def step_30(run: Run):
+    return run.output_dir / "checkpoints" / "step_30"
+
+
+@pytest.mark.parametrize("change, named", [
+    (["--seq_len", "128"], "--seq_len 64 (this run: 128)"),
+    (["--seed", "7"], "--seed 1234 (this run: 7)"),
+    (["--data_files", corpus_file(100)], "--data_files"),
+    (["--packing", "false"], "--packing True (this run: False)"),
+    (["--preset", "tiny"], "saved from preset 'debug'; this run builds preset 'tiny'"),
+    (["--weight_decay", "0.0"], "--weight_decay 0.1 (this run: 0.0)"),
+])
+def test_a_change_of_what_is_trained_is_refused_in_one_line(change, named, train_run):
+    cfg = parse_train(TRAIN_ARGS + change + ["--resume_from_checkpoint", str(step_30(train_run))])
+    with pytest.raises(ConfigError) as refused:
+        checkpoint.check_compatible(step_30(train_run), cfg, SINGLE)
+    assert named in str(refused.value) and "\n" not in str(refused.value), refused.value
+
+
+def test_another_model_or_tokenizer_is_refused(train_run, initial_model):
+    for flag in ("--model_name_or_path", "--tokenizer_name_or_path"):
+        cfg = parse_train(TRAIN_ARGS + [flag, str(initial_model)])
+        with pytest.raises(ConfigError, match=f"{flag} None \\(this run: '{initial_model}'\\)"):
+            checkpoint.check_compatible(step_30(train_run), cfg, SINGLE)
+
+
+@pytest.mark.parametrize("edit", ["micro_batches_done", "step", "drop_checksum"])
+def test_an_edited_checkpoint_json_is_caught(edit, train_run, tmp_path):
+    copy = shutil.copytree(step_30(train_run), tmp_path / "step_30")
+    checkpoint.verify(copy)  # the copy as saved verifies
+    meta = json.loads((copy / "checkpoint.json").read_text())
+    if edit == "drop_checksum":
+        del meta["metadata_checksum"]
+    else:
+        meta[edit] += 1
+    (copy / "checkpoint.json").write_text(json.dumps(meta, indent=1))
+    what = "has no checksum of its own" if edit == "drop_checksum" else "does not match its own checksum"
+    with pytest.raises(ConfigError, match=what):
+        checkpoint.verify(copy, contents=False)  # sizes only still checks checkpoint.json itself
+
+
+@pytest.fixture(scope="module")
+def changed_resume(tmp_path_factory, hf_home, train_run):
+    """train_run's step-30 checkpoint resumed with half its peak lr and a longer run (60 -> 80 steps)."""
+    out = tmp_path_factory.mktemp("resume_changed")
+    args = TRAIN_ARGS + ["--lr", "2e-3", "--max_steps", "80", "--eval_every", "40",
+                         "--resume_from_checkpoint", str(step_30(train_run)), "--output_dir", str(out)]
+    return Run(out, launch("train.py", args, hf_home))
+
+
+def test_a_changed_lr_and_length_are_applied_and_said(changed_resume, train_run):
+    summary = changed_resume.summary
+    assert summary["resumed_from"]["changed"] == {"lr": [0.004, 0.002], "max_steps": [60, 80],
+                                                  "eval_every": [30, 40]}
+    assert "with this run's settings from step 31; --lr 0.004 -> 0.002; --max_steps 60 -> 80" in \
+        changed_resume.proc.stdout
+    # The lr every resumed step used is this run's schedule (peak 2e-3 over 80 steps) at that step.
+    cfg = parse_train(TRAIN_ARGS + ["--lr", "2e-3", "--max_steps", "80"])
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.lr)
+    scheduler, expected = build_scheduler(optimizer, cfg), {}
+    for step in range(1, 81):
+        optimizer.step()
+        scheduler.step()
+        expected[step] = optimizer.param_groups[0]["lr"]  # logged after the step: the next step's lr
+    logged = {row["step"]: row["lr"] for row in summary["losses"]}
+    assert sorted(logged) == list(range(31, 81))
+    assert all(abs(logged[s] - expected[s]) <= 1e-12 * expected[s] for s in logged), (logged, expected)
+    # Step 31's loss is computed before its update: the very run that stopped; step 32 trained at the new lr.
+    full = {row["step"]: row["loss"] for row in train_run.summary["losses"]}
+    assert logged and summary["losses"][0]["loss"] == full[31]
+    assert summary["losses"][1]["loss"] != full[32]
+
+
+def test_what_a_changed_resume_used_is_what_it_records(changed_resume):
+    assert changed_resume.summary["setup"]["options"]["lr"] == 0.002
+    newest = checkpoint.verify(changed_resume.output_dir / "checkpoints" / "step_80")
+    assert newest["config"]["lr"] == 0.002 and newest["config"]["max_steps"] == 80
+
+
+def test_the_same_options_on_other_data_are_refused(tmp_path, train_run):
+    """A glob that now matches another file, or a file rewritten with more text: the options are
+    equal, the data is not (the checkpoint records the files and the block count it trained on)."""
+    (tmp_path / "a.txt").write_text("one document\n\nanother\n")
+    cfg = parse_train(["--data_files", str(tmp_path / "*.txt")])
+    meta = {"data": checkpoint.data_identity(cfg, 10)}
+    checkpoint.check_same_data(tmp_path, meta, cfg, 10)  # as it was
+    with pytest.raises(ConfigError, match="trained on other data: train_blocks 10 \\(this run: 11\\)"):
+        checkpoint.check_same_data(tmp_path, meta, cfg, 11)
+    (tmp_path / "b.txt").write_text("a new shard\n")
+    with pytest.raises(ConfigError, match="trained on other data: data_files"):
+        checkpoint.check_same_data(tmp_path, meta, cfg, 10)
+    # train.py records it in every checkpoint
+    saved = checkpoint.verify(step_30(train_run), contents=False)["data"]
+    assert saved == {"data_files": [corpus_file(2000)], "eval_data_files": [],
+                     "train_blocks": train_run.summary["data"]["train_blocks"]}
