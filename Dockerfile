@@ -1,5 +1,9 @@
 # The training image: CUDA, PyTorch, DeepSpeed and the recipes, entry point `accelerate launch`.
-# NEVER BUILT: no Docker engine runs on the project's build machines (README status table).
+# BUILT ONLY ON A LOCAL DEBIAN BASE WITH THE CPU TORCH: scripts/docker/drill.sh builds this file on
+# a CPU build machine with BASE_IMAGE = Debian bookworm (debootstrap, imported) and torch 2.13.0+cpu
+# from a local index, then trains, preempts and resumes in it (benchmarks/results/docker-drill-2026-12-01/).
+# The CUDA base below (the default) has NEVER BEEN BUILT here: no registry can be reached from the
+# project's machines, so neither the nvidia/cuda image nor the cu130 torch has been pulled or run.
 # tests/test_deploy.py lints this file (hadolint), checks what it copies and launches, and replays
 # its install steps (scripts/docker/install.sh) in a fresh virtual environment on CPU.
 #   docker build -t accelerate-recipes .
@@ -71,6 +75,8 @@ COPY common/ common/
 COPY train_extras/ train_extras/
 COPY recipes/ recipes/
 COPY accelerate_configs/ accelerate_configs/
+COPY configs/ configs/
+COPY tools/ tools/
 COPY scripts/docker/entrypoint.sh scripts/docker/entrypoint.sh
 RUN bash scripts/docker/install.sh project
 

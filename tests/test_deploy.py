@@ -1,14 +1,16 @@
 """Deployment files (Dockerfile, multi-node configs, SLURM, Kubernetes), checked on CPU.
 
-No Docker engine, SLURM or Kubernetes runs on the build machines: the image is never built and the
-job files never run on a cluster. What is checked instead:
+No SLURM or Kubernetes runs on the build machines, and no Docker engine runs in CI: the image is
+built and drilled only by scripts/docker/drill.sh, by hand (on a local Debian base with the CPU torch;
+the CUDA base has never been built), and the job files never run on a cluster. What is checked here:
 - hadolint on the Dockerfile and shellcheck on every shell script of the repository;
 - every file the Dockerfile copies exists and passes .dockerignore; its entry point and CMD launch
   files the image holds; the image runs as a non-root user with HF_HOME and the outputs on volumes;
 - the install replay: the Dockerfile's own steps, read from it in order (COPY into a folder that
   stands for /workspace, RUN of scripts/docker/install.sh), in a fresh virtual environment, then a
   recipe through the image's entry point, so that the image's install path cannot rot unseen;
-- entrypoint.sh keeps the container alive until a signalled 1-process worker has saved;
+- entrypoint.sh keeps the container alive until a signalled 1-process worker has saved, and ends
+  with 75 only when the run wrote its requeue marker;
 - the multi-node configs, the sbatch script (run with stand-ins for srun, scontrol and accelerate)
   and the PyTorchJob give every machine a launch line that accelerate's own parser and the recipe's
   option parser accept, naming files that exist.
@@ -214,7 +216,7 @@ def test_shellcheck_passes_on_every_shell_script():
     scripts = shell_scripts()
     # The discovery itself: these must be among what it finds.
     for known in (".ci/run", "scripts/slurm/train.sbatch", "scripts/docker/install.sh",
-                  "scripts/docker/entrypoint.sh"):
+                  "scripts/docker/entrypoint.sh", "scripts/docker/drill.sh"):
         assert known in scripts, f"{known} not found by the discovery: {scripts}"
     # -x: follow `source`d files; shellcheck reads the `#!/usr/bin/env bash` shebang of each.
     proc = subprocess.run([tool("shellcheck"), "-x", *scripts], cwd=ROOT, capture_output=True, text=True)
@@ -246,6 +248,17 @@ def test_entrypoint_and_cmd_launch_files_the_image_holds():
     for needed in (launch.config_file, launch.training_script):
         assert needed in held and (ROOT / needed).is_file(), f"CMD names {needed}, which the image lacks"
     parse_train(launch.training_script_args)  # the recipe accepts CMD's options
+
+
+def test_the_image_holds_the_configs_and_the_memory_planner():
+    """`--config configs/...` and `python -m tools.plan` are documented commands, in the image too."""
+    held = copied_into_image()
+    configs = sorted((ROOT / "configs").glob("*.yaml"))
+    assert configs
+    for config in configs:
+        assert f"configs/{config.name}" in held, f"the image lacks configs/{config.name}"
+    for module in ("tools/__init__.py", "tools/plan/__init__.py", "tools/plan/__main__.py"):
+        assert module in held, f"the image lacks {module} (python -m tools.plan)"
 
 
 def test_image_user_and_volumes():
@@ -350,20 +363,47 @@ FAKE_ONE_PROCESS_LAUNCHER = r"""#!/usr/bin/env bash
 # `accelerate launch` with one process, as far as signals go: the launcher dies at once on SIGTERM;
 # its worker, in the same process group, needs 2 s after the signal to save.
 printf '%s\n' "$@" >"$FAKE_STATE/args"
-bash -c 'trap "sleep 2; echo saved >\"\$FAKE_STATE/saved\"; exit 75" TERM
-         echo ready >"$FAKE_STATE/ready"; while :; do sleep 0.1; done' &
+bash "$FAKE_WORKER" &
 wait
 """
 
+FAKE_WORKER = r"""#!/usr/bin/env bash
+# train.py's rank 0 as the entry point sees it: it holds <output_dir>/.run.lock open, stamped when
+# it claims the folder; on SIGTERM it saves (2 s), writes <output_dir>/requeue.json (unless
+# FAKE_MARKER=no) and exits 75.
+run=$FAKE_STATE/run
+mkdir -p "$run"
+exec 9>"$run/.run.lock"
+echo "{\"pid\": $$}" >&9
+on_term() {
+    sleep 2
+    echo saved >"$FAKE_STATE/saved"
+    [[ $FAKE_MARKER == no ]] || echo '{}' >"$run/requeue.json"
+    exit 75
+}
+trap on_term TERM
+echo ready >"$FAKE_STATE/ready"
+while :; do sleep 0.1; done
+"""
 
-def test_entrypoint_outlives_the_launcher_until_the_worker_has_saved(tmp_path):
+
+@pytest.mark.parametrize("marker", ["written", "stale"])
+def test_entrypoint_outlives_the_launcher_until_the_worker_has_saved(tmp_path, marker):
     """tini -g signals the whole process group; the 1-process launcher dies at once. Were the entry
-    point to exit with it, tini would too, and the kernel would kill the saving worker."""
+    point to exit with it, tini would too, and the kernel would kill the saving worker. The
+    container's code: 75 when the run wrote its requeue marker after claiming its folder, else the
+    launcher's own status (143: killed by SIGTERM), here with a marker an earlier run left."""
     fake = tmp_path / "bin" / "accelerate"
     fake.parent.mkdir()
     fake.write_text(FAKE_ONE_PROCESS_LAUNCHER)
     fake.chmod(0o755)
-    env = {**os.environ, "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}", "FAKE_STATE": str(tmp_path)}
+    (tmp_path / "worker.sh").write_text(FAKE_WORKER)
+    env = {**os.environ, "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}", "FAKE_STATE": str(tmp_path),
+           "FAKE_WORKER": str(tmp_path / "worker.sh"), "FAKE_MARKER": "yes" if marker == "written" else "no"}
+    if marker == "stale":
+        (tmp_path / "run").mkdir()
+        (tmp_path / "run" / "requeue.json").write_text("{}")
+        os.utime(tmp_path / "run" / "requeue.json", (time.time() - 3600,) * 2)
     # A session of its own, so its process group is what tini's child's would be.
     proc = subprocess.Popen(["bash", str(ROOT / entrypoint_script()), "--config_file", "c.yaml", "x.py", "--a", "b c"],
                             env=env, start_new_session=True)
@@ -381,6 +421,7 @@ def test_entrypoint_outlives_the_launcher_until_the_worker_has_saved(tmp_path):
     assert (tmp_path / "saved").exists(), "the entry point exited before the worker had saved"
     assert time.monotonic() - signalled >= 1.9
     assert (tmp_path / "args").read_text().splitlines() == ["launch", "--config_file", "c.yaml", "x.py", "--a", "b c"]
+    assert proc.returncode == (75 if marker == "written" else 128 + signal.SIGTERM)
 
 
 # ---------------------------------------------------------------- multi-node configs
