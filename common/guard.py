@@ -38,7 +38,8 @@ def deepspeed_json_precision(path: str | None) -> str | None:
         return None
     with open(path) as f:
         ds_config = json.load(f)
-    return next((name for name in ("bf16", "fp16") if ds_config.get(name, {}).get("enabled") is True), None)
+    enabled = [name for name in ("bf16", "fp16") if str(ds_config.get(name, {}).get("enabled")).lower() == "true"]
+    return enabled[0] if enabled else None
 
 
 KINDS = {DistributedType.NO: "single", DistributedType.MULTI_GPU: "ddp", DistributedType.MULTI_CPU: "ddp",

@@ -193,8 +193,9 @@ def main(argv=None):
         else:
             train_set, eval_set = data.build_datasets(cfg, tokenizer)
     loaders = data_at_scale.streamed_loaders if cfg.streaming else data.build_loaders
-    if resume_meta is not None and not cfg.eval_only:  # a glob that now matches more, a file rewritten in place
-        checkpoint.check_same_data(resume_path, resume_meta, cfg, None if cfg.streaming else len(train_set))
+    data_record = checkpoint.data_identity(cfg, None if cfg.streaming else len(train_set))  # kept in checkpoints
+    if resume_meta is not None and not cfg.eval_only:  # a file rewritten in place
+        checkpoint.check_same_data(resume_path, resume_meta, data_record)
     train_loader, eval_loader = loaders(cfg, train_set, eval_set, pin_memory=accelerator.device.type == "cuda")
     # Printed once the data is known to be good, so bad input stays a one-line error. Logs get
     # copied around: the options are printed (and recorded) with secrets removed, as trackers get them.
@@ -285,7 +286,8 @@ def main(argv=None):
         if accelerator.is_main_process:
             applied = "".join(f"; --{key} {old!r} -> {new!r}" for key, (old, new) in changed.items())
             print(f"resumed from {resume_path} at step {start_step}"
-                  + (f", with this run's settings from step {start_step + 1}{applied}" if changed else ""), flush=True)
+                  + (f", with this run's settings from step {start_step + 1}{applied}"
+                     if changed and not cfg.eval_only else ""), flush=True)
     if cfg.eval_only:  # the model as it is, on the held-out data: nothing trains, nothing else is written
         return evaluate_only(accelerator, cfg, summary, modeling.evaluate(model, eval_loader, accelerator,
                                                                           cfg.eval_batches), start_step)
@@ -302,7 +304,7 @@ def main(argv=None):
                                optimizer=optimizer, metadata={
             "micro_batches_done": micro_batches_done,  # per rank; with batches_per_epoch, the data position
             "batches_per_epoch": None if cfg.streaming else len(train_loader),
-            "data": checkpoint.data_identity(cfg, None if cfg.streaming else len(train_set)),  # checked on resume
+            "data": data_record,  # what the data options resolved to: checked on resume
             "tokens_seen": step * tokens_per_step, "config": dataclasses.asdict(cfg), "tracker_run": tracker_run,
             "setup": {k: setup[k] for k in ("distributed_type", "world_size", "data_parallel_size",
                                             "tensor_parallel_size", "mixed_precision")}})

@@ -3,6 +3,7 @@ recipes' own entry points (config.run_cli; train.py's preemption.run_cli around 
 `accelerate launch`."""
 
 import json
+import os
 import time
 
 import pytest
@@ -24,6 +25,15 @@ def no_model(monkeypatch, tmp_path):
         raise AssertionError("a model was built despite bad input")
 
     monkeypatch.setattr(modeling, "build_model", forbidden)
+
+
+@pytest.fixture(autouse=True)
+def release_run_locks():
+    """An in-process train.py claims its output folder and keeps the lock until its process ends, as
+    a run does (train_extras/output_dir.py): let go after each test, as that end would."""
+    yield
+    while output_dir._held:
+        os.close(output_dir._held.pop())
 
 
 def bad_inputs(tmp_path):

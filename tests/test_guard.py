@@ -109,3 +109,26 @@ def test_harness_refuses_a_changed_accelerate(tmp_path):
     env = {"ACCELERATE_RECIPES_CPU_HARNESS": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "PATH": ""}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode != 0 and "CPU harness: tested with accelerate" in proc.stderr
+
+
+def test_under_deepspeed_the_json_says_what_precision_was_asked(tmp_path, monkeypatch):
+    """accelerate refuses mixed_precision in a YAML beside a DeepSpeed JSON and --mixed_precision does
+    not override the JSON's explicit value: the guard takes the JSON's choice as the request."""
+    import json
+
+    from common import guard
+
+    cases = {"bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": "true"}},
+             None: {"bf16": {"enabled": "auto"}, "fp16": {"enabled": False}}}
+    for expected, ds_config in cases.items():
+        path = tmp_path / f"{expected}.json"
+        path.write_text(json.dumps(ds_config))
+        assert guard.deepspeed_json_precision(str(path)) == expected
+        monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+        monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+        assert guard.requested()["mixed_precision"] == (expected or "no")
+    for shipped in ("deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3", "deepspeed_zero3_offload"):
+        assert guard.deepspeed_json_precision(str(ROOT / "accelerate_configs" / f"{shipped}.json")) == "bf16"
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")  # not DeepSpeed: the launch's own value
+    assert guard.requested()["mixed_precision"] == "no"

@@ -4,6 +4,7 @@ applied from the first resumed step and recorded as applied; an edited checkpoin
 by its own checksum. All from train_run's step-30 checkpoint (tests/conftest.py)."""
 
 import json
+import os
 import shutil
 from types import SimpleNamespace
 
@@ -100,18 +101,41 @@ def test_what_a_changed_resume_used_is_what_it_records(changed_resume):
 
 
 def test_the_same_options_on_other_data_are_refused(tmp_path, train_run):
-    """A glob that now matches another file, or a file rewritten with more text: the options are
-    equal, the data is not (the checkpoint records the files and the block count it trained on)."""
+    """A glob that now matches another file (before any work), or a file rewritten with more text
+    (once the data is built): the options are equal, the data is not. The checkpoint records the
+    files the options resolved to and the number of blocks they made."""
+    saved = checkpoint.verify(step_30(train_run), contents=False)
+    assert saved["data"] == {"data_files": [os.path.realpath(corpus_file(2000))], "eval_data_files": [],
+                             "train_blocks": train_run.summary["data"]["train_blocks"]}
     (tmp_path / "a.txt").write_text("one document\n\nanother\n")
-    cfg = parse_train(["--data_files", str(tmp_path / "*.txt")])
-    meta = {"data": checkpoint.data_identity(cfg, 10)}
-    checkpoint.check_same_data(tmp_path, meta, cfg, 10)  # as it was
-    with pytest.raises(ConfigError, match="trained on other data: train_blocks 10 \\(this run: 11\\)"):
-        checkpoint.check_same_data(tmp_path, meta, cfg, 11)
+    cfg = parse_train(TRAIN_ARGS + ["--data_files", str(tmp_path / "*.txt")])
+    meta = {**saved, "config": {**saved["config"], "data_files": cfg.data_files},
+            "data": checkpoint.data_identity(cfg, 10)}
+    checkpoint.check_compatible(tmp_path, cfg, SINGLE, meta)  # as it was
+    checkpoint.check_same_data(tmp_path, meta, checkpoint.data_identity(cfg, 10))
+    with pytest.raises(ConfigError, match="trained on other data: 10 training blocks, this run has 11"):
+        checkpoint.check_same_data(tmp_path, meta, checkpoint.data_identity(cfg, 11))
     (tmp_path / "b.txt").write_text("a new shard\n")
-    with pytest.raises(ConfigError, match="trained on other data: data_files"):
-        checkpoint.check_same_data(tmp_path, meta, cfg, 10)
-    # train.py records it in every checkpoint
-    saved = checkpoint.verify(step_30(train_run), contents=False)["data"]
-    assert saved == {"data_files": [corpus_file(2000)], "eval_data_files": [],
-                     "train_blocks": train_run.summary["data"]["train_blocks"]}
+    with pytest.raises(ConfigError, match=r"--data_files \[.*a.txt'\] \(this run: \[.*a.txt', .*b.txt'\]\)"):
+        checkpoint.check_compatible(tmp_path, cfg, SINGLE, meta)
+    # the same file named another way is the same data
+    relative = parse_train(TRAIN_ARGS + ["--data_files", os.path.relpath(corpus_file(2000))])
+    checkpoint.check_compatible(step_30(train_run), relative, SINGLE)
+
+
+def test_a_max_steps_below_the_checkpoint_is_refused(train_run):
+    cfg = parse_train(TRAIN_ARGS + ["--max_steps", "20", "--warmup_steps", "2"])
+    with pytest.raises(ConfigError, match="is at step 30, past --max_steps 20: nothing to train; to export it, "
+                                          "resume with --max_steps 30"):
+        checkpoint.check_compatible(step_30(train_run), cfg, SINGLE)
+    checkpoint.check_compatible(step_30(train_run), parse_train(TRAIN_ARGS + ["--max_steps", "30"]), SINGLE)
+
+
+def test_a_checkpoint_from_before_its_own_checksum_still_resumes(train_run, tmp_path):
+    """checkpoint.json of an earlier version (no checksum of its own, no data record): taken as it is."""
+    copy = shutil.copytree(step_30(train_run), tmp_path / "step_30")
+    meta = json.loads((copy / "checkpoint.json").read_text())
+    old = {k: v for k, v in meta.items() if k not in ("metadata_checksum", "data")}
+    (copy / "checkpoint.json").write_text(json.dumps(old, indent=1))
+    assert checkpoint.verify(copy)["step"] == 30
+    checkpoint.check_compatible(copy, parse_train(TRAIN_ARGS), SINGLE)

@@ -46,7 +46,7 @@ import xxhash
 from accelerate.utils import DistributedType, broadcast_object_list, gather_object
 
 from common.config import (ConfigError, TrainingError, data_file_list, data_parallel_size, one_line,
-                           tensor_parallel_size)
+                           same_on_every_rank, tensor_parallel_size)
 from common.files import write_json
 from train_extras import parallel
 from train_extras.output_dir import disk_full, free_bytes
@@ -93,6 +93,8 @@ def read_metadata(path: str | Path) -> dict:
         raise ConfigError(f"unreadable checkpoint metadata {meta_file}: {err}") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict):
         raise ConfigError(f"{meta_file} has no file list: not a checkpoint this code wrote")
+    if "metadata_checksum" not in meta and "data" not in meta:
+        return meta  # written before checkpoint.json had a checksum of its own (and its data record)
     if meta.get("metadata_checksum") != metadata_digest(meta):
         what = "has no checksum of its own" if "metadata_checksum" not in meta else "does not match its own checksum"
         raise ConfigError(f"{meta_file} {what} (edited or damaged since it was written: its step and data position "
@@ -162,6 +164,7 @@ def _set_aside(path: Path) -> Path:
     return target
 
 
+@same_on_every_rank()  # every rank reads the same files and options
 def resume_point(cfg, accelerator) -> tuple[Path | None, dict | None]:
     """The checkpoint to resume from and its checkpoint.json, verified (every rank calls this).
     An explicit path that fails is an error. With `auto` the newest that verifies; the newer,
@@ -204,10 +207,10 @@ REPLICATED = ("NO", "MULTI_CPU", "MULTI_GPU")
 # What a run trains on and from: a resumed run that changes one of them would train another model
 # on other data (or its data position would point elsewhere), so it is refused. The optimizer's own
 # hyperparameters are kept in its state (load_state restores them): refused too, not silently undone.
-TRAINED_ON = ("seed", "seq_len", "preset", "model_name_or_path", "tokenizer_name_or_path", "attn_implementation",
-              "dataset_name", "dataset_config", "dataset_split", "eval_split", "data_files", "eval_data_files",
-              "txt_documents", "text_column", "eval_fraction", "add_bos", "packing",
-              "weight_decay", "adam_beta1", "adam_beta2", "adam_eps")
+# (--data_files and --eval_data_files: as the files they resolve to, see data_identity.)
+TRAINED_ON = ("seed", "seq_len", "preset", "model_name_or_path", "tokenizer_name_or_path", "dataset_name",
+              "dataset_config", "dataset_split", "eval_split", "txt_documents", "text_column", "eval_fraction",
+              "add_bos", "packing", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps")
 # What a resumed run may change, applied from its first step and recorded as applied; every other
 # option changes nothing that was trained (cadences of logs, samples, trackers, timeouts, export).
 APPLIED_ON_RESUME = ("lr", "lr_schedule", "warmup_steps", "warmup_ratio", "min_lr_ratio", "decay_fraction", "max_steps",
@@ -218,6 +221,7 @@ STREAM_IDENTITY = ("data_files", "dataset_name", "dataset_config", "dataset_spli
                    "add_bos", "seq_len", "seed", "tokenizer_name_or_path", "model_name_or_path")
 
 
+@same_on_every_rank()  # every rank reads the same files and options
 def check_compatible(path: str | Path, cfg, accelerator, meta: dict | None = None) -> dict:
     """Refuse, before any heavy work, a checkpoint this run cannot continue: another model, another
     strategy, another global batch, or a world-size change the strategy cannot reshard. `meta`: its
@@ -260,9 +264,17 @@ def check_compatible(path: str | Path, cfg, accelerator, meta: dict | None = Non
     if changed:
         raise ConfigError(f"{meta_file} streamed other data: --{', --'.join(changed)} differ; a streamed run resumes "
                           "by reading the same stream again up to its place")
-    changed = [key for key in TRAINED_ON if key in saved_cfg and saved_cfg[key] != getattr(cfg, key)]
+    if cfg.max_steps < meta["step"]:
+        raise ConfigError(f"{meta_file} is at step {meta['step']}, past --max_steps {cfg.max_steps}: nothing to "
+                          f"train; to export it, resume with --max_steps {meta['step']}")
+    files = "data" in meta and {key: meta["data"][key] for key in ("data_files", "eval_data_files")}
+    now = files and {key: _resolved(getattr(cfg, key)) for key in files}
+    changed = [key for key in TRAINED_ON + (() if files else ("data_files", "eval_data_files"))
+               if key in saved_cfg and not _same_option(saved_cfg[key], getattr(cfg, key))]
+    changed += [key for key in files or () if files[key] != now[key]]
     if changed:
-        diffs = ", ".join(f"--{key} {saved_cfg[key]!r} (this run: {getattr(cfg, key)!r})" for key in changed)
+        shown = {**saved_cfg, **(files or {})}, {**vars(cfg), **(now or {})}
+        diffs = ", ".join(f"--{key} {shown[0][key]!r} (this run: {shown[1][key]!r})" for key in changed)
         raise ConfigError(f"{meta_file} was trained with {diffs}: that would train on other data or from another "
                           "model, not continue this run; resume with the checkpoint's settings, or start afresh in "
                           "another --output_dir")
@@ -278,24 +290,35 @@ def check_compatible(path: str | Path, cfg, accelerator, meta: dict | None = Non
     return meta
 
 
+def _resolved(paths: list[str] | None) -> list[str]:
+    """--data_files as the real paths of the files they name (a folder or glob as what it matches)."""
+    return [os.path.realpath(f) for f in data_file_list(paths)]
+
+
+def _same_option(saved, this) -> bool:
+    """Equal, or the same local folder named two ways (a relative and an absolute path)."""
+    if saved == this:
+        return True
+    return isinstance(saved, str) and isinstance(this, str) and os.path.isdir(this) and \
+        os.path.realpath(saved) == os.path.realpath(this)
+
+
 def data_identity(cfg, train_blocks: int | None) -> dict:
-    """What the data options resolved to: the files (a folder or glob as the files it matched) and
-    the number of training blocks (or documents) they made."""
-    return {"data_files": data_file_list(cfg.data_files), "eval_data_files": data_file_list(cfg.eval_data_files),
+    """What the data options resolved to, made once after the data is built: the files (a folder or
+    glob as the files it matched) and the number of training blocks (or documents) they made."""
+    return {"data_files": _resolved(cfg.data_files), "eval_data_files": _resolved(cfg.eval_data_files),
             "train_blocks": train_blocks}
 
 
-def check_same_data(path, meta: dict, cfg, train_blocks: int | None) -> None:
-    """The same options can name other data: a glob or folder that matches other files now, a file
-    rewritten. Refused when the files or the number of training blocks differ from the checkpoint's."""
-    saved, now = meta.get("data"), data_identity(cfg, train_blocks)
-    if saved is None:  # (a checkpoint from before this record: its options were compared already)
-        return
-    differ = [key for key in now if saved.get(key) != now[key]]
-    if differ:
-        diffs = "; ".join(f"{key} {saved.get(key)} (this run: {now[key]})" for key in differ)
-        raise ConfigError(f"{Path(path) / METADATA} was trained on other data: {diffs}; resume on the same data, "
-                          "or start afresh in another --output_dir")
+@same_on_every_rank()  # every rank reads the same files and options
+def check_same_data(path, meta: dict, data: dict) -> None:
+    """The same files can hold other data (rewritten in place): refused when the number of training
+    blocks differs from the checkpoint's. (The files themselves: check_compatible, before any work.)"""
+    saved = meta.get("data")
+    if saved is not None and saved["train_blocks"] != data["train_blocks"]:
+        raise ConfigError(f"{Path(path) / METADATA} was trained on other data: {saved['train_blocks']} training "
+                          f"blocks, this run has {data['train_blocks']} from the same options; resume on the same "
+                          "data, or start afresh in another --output_dir")
 
 
 def resume_changes(meta: dict, cfg) -> dict:
@@ -345,6 +368,7 @@ def _samples_into_epoch(meta: dict, cfg, world_size: int) -> tuple[int, int]:
     return epoch, samples_into_epoch
 
 
+@same_on_every_rank()  # every rank reads the same files and options
 def check_output_dir(cfg, start_step: int) -> None:
     """Refuse to write into a folder that holds checkpoints past where this run starts: rotation
     by step number would delete this run's own new checkpoints first, and `auto` would later

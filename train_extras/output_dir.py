@@ -26,7 +26,7 @@ from pathlib import Path
 
 from accelerate.utils import broadcast_object_list
 
-from common.config import ConfigError
+from common.config import ConfigError, same_on_every_rank
 
 LOCK_FILE = ".run.lock"
 _held = []  # the locked descriptors: open until the process ends
@@ -92,6 +92,7 @@ def claim(folder: str | Path, accelerator) -> None:
         raise ConfigError(reason)
 
 
+@same_on_every_rank()  # every rank reads the same folder
 def check_not_finished(cfg, resume_path: str | Path | None) -> None:
     """A finished run in --output_dir is not overwritten without --overwrite_output_dir: its
     run_summary.json (written when a run ends, with or without an export) or its model/ export. A run

@@ -124,6 +124,20 @@ def _install_probes():
         return unwrap(self, model, *args, **kwargs)
 
     Accelerator.unwrap_model = probed_unwrap
+    # The recipes unwrap through common/export.py's own unwrap (accelerate's imports deepspeed), which
+    # calls accelerate's only under DeepSpeed: catch the model where train.py samples from it and
+    # exports it. (Not by importing common here: a copied recipe must import its own copy.)
+    from transformers import GenerationMixin, PreTrainedModel
+
+    def catching(method):
+        def probed(self, *args, **kwargs):
+            if _seen["model"] is None:
+                _seen["model"] = self
+            return method(self, *args, **kwargs)
+        return probed
+
+    GenerationMixin.generate = catching(GenerationMixin.generate)
+    PreTrainedModel.save_pretrained = catching(PreTrainedModel.save_pretrained)
 
     iterate = DataLoaderShard.__iter__
 
