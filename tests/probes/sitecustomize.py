@@ -129,10 +129,9 @@ def _install_probes():
     # exports it. (Not by importing common here: a copied recipe must import its own copy.)
     from transformers import GenerationMixin, PreTrainedModel
 
-    def catching(method):
-        def probed(self, *args, **kwargs):
-            if _seen["model"] is None:
-                _seen["model"] = self
+    def catching(method):  # the last model seen there, used only when prepare saw none (a recipe may save
+        def probed(self, *args, **kwargs):  # a random-init model first, to reload it with a TP plan)
+            _seen["caught_model"] = self
             return method(self, *args, **kwargs)
         return probed
 
@@ -257,7 +256,7 @@ def _final_facts(accelerator, facts) -> dict:
 
     import resource
 
-    model, optimizer = _seen["model"], _seen["optimizer"]
+    model, optimizer = _seen["model"] or _seen.get("caught_model"), _seen["optimizer"]
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     out = {"peak_memory": {"cpu_max_rss_bytes": rss}}
     if accelerator.device.type == "cuda":
