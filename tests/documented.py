@@ -216,13 +216,12 @@ def expected_precision(command: CpuCommand) -> str:
     explicit choice (it decides under DeepSpeed), else the YAML's."""
     if "--mixed_precision" in command.launch_args:
         return command.launch_args["--mixed_precision"]
+    from common.guard import deepspeed_json_precision  # what the start-up guard takes as asked
+
     cfg = yaml_config(command.config) if command.config else {}
     json_file = (cfg.get("deepspeed_config") or {}).get("deepspeed_config_file")
     if json_file:
-        import json
-
-        ds = json.loads((ROOT / json_file).read_text())
-        return next((p for p in ("bf16", "fp16") if ds.get(p, {}).get("enabled") is True), "no")
+        return deepspeed_json_precision(str(ROOT / json_file)) or "no"
     return str(cfg.get("mixed_precision", "no"))
 
 
