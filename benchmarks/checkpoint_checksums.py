@@ -3,7 +3,7 @@
     python benchmarks/checkpoint_checksums.py            # the `small` preset (~114M parameters), 5 rounds
 
 One process, in-process: the `small` preset with fused AdamW after one step (model 0.46 GB, optimizer
-state 0.91 GB: a 1.4 GB checkpoint, train.py's own layout), saved with train_extras/checkpoint.py's
+state 0.91 GB: a 1.4 GB checkpoint, train.py's own layout), saved with train_extras/resume/checkpoint.py's
 `save` into a temporary folder. "Without" is the same save with the checksums replaced by what the
 save did before them (fsync each file). Resume = `verify` (sizes only, or sizes and checksums) then
 `load` of the same checkpoint, with the page cache warm (right after a save, the usual case for a requeue on the same
@@ -72,7 +72,7 @@ def main():
     from accelerate import Accelerator
 
     from common import model as modeling
-    from train_extras import checkpoint
+    from train_extras.resume import checkpoint
     from train_extras.options import TrainConfig
 
     torch.manual_seed(0)

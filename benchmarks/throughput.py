@@ -100,7 +100,7 @@ def best_cpu_ceilings(bursts: int = 10) -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from train_extras.metrics import measure_matmul_tflops
+    from train_extras.observe.metrics import measure_matmul_tflops
 
     found = {}
     for precision, dtype in (("no", torch.float32), ("bf16", torch.bfloat16)):

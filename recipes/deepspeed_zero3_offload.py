@@ -49,6 +49,18 @@ class Options(config.RecipeConfig):
     """The core options: run, model, data, optimizer, eval and export."""
 
 
+# New: DeepSpeed clips at its config's gradient_clipping (train.py's rule is the same, in
+# train_extras/parallel/deepspeed_settings.py; tests/test_strategy_settings.py holds them equal).
+def set_clipping(ds_config: dict, max_grad_norm: float) -> None:
+    clip = ds_config.get("gradient_clipping", "auto")
+    if clip == "auto":
+        ds_config["gradient_clipping"] = max_grad_norm
+    elif float(clip) != max_grad_norm:
+        raise config.ConfigError(f"the DeepSpeed config clips gradients at {clip} but --max_grad_norm is "
+                                 f'{max_grad_norm}; set gradient_clipping to "auto" in the JSON or pass the same value')
+# End new
+
+
 def main(argv=None):
     cfg = config.parse(Options, argv, recipe=Path(__file__).name)
     modeling.check_seq_len(cfg)
@@ -64,11 +76,7 @@ def main(argv=None):
     if ds_config["zero_optimization"]["stage"] != 3:
         raise config.ConfigError(f"{Path(__file__).name} is ZeRO-3; the DeepSpeed config has stage "
                                  f"{ds_config['zero_optimization']['stage']}")
-    if ds_config.get("gradient_clipping", "auto") == "auto":
-        ds_config["gradient_clipping"] = cfg.max_grad_norm
-    elif float(ds_config["gradient_clipping"]) != cfg.max_grad_norm:
-        raise config.ConfigError(f"the DeepSpeed config clips at {ds_config['gradient_clipping']} but --max_grad_norm "
-                                 f"is {cfg.max_grad_norm}: set gradient_clipping to \"auto\" or pass the same value")
+    set_clipping(ds_config, cfg.max_grad_norm)
     # End new
     if accelerator.mixed_precision == "fp16":
         raise config.ConfigError(f"{Path(__file__).name} does not handle fp16 loss scaling; use fp16_scaler.py")

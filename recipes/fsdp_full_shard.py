@@ -53,6 +53,20 @@ class Options(config.RecipeConfig):
     """The core options: run, model, data, optimizer, eval and export."""
 
 
+# New: the two FSDP2 policies the YAML cannot express (train.py takes the same ones from
+# train_extras/parallel/fsdp_settings.py; tests/test_strategy_settings.py holds them equal).
+def fsdp_policies() -> dict:
+    policies = {}
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(os.environ.get("ACCELERATE_MIXED_PRECISION"))
+    if compute is not None:
+        policies["mixed_precision_policy"] = MixedPrecisionPolicy(
+            param_dtype=compute, reduce_dtype=torch.float32, output_dtype=compute)
+    if guard.flag("FSDP_OFFLOAD_PARAMS"):
+        policies["cpu_offload"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    return policies
+# End new
+
+
 def main(argv=None):
     cfg = config.parse(Options, argv, recipe=Path(__file__).name)
     modeling.check_seq_len(cfg)
@@ -66,15 +80,8 @@ def main(argv=None):
     # Offload (fsdp_offload_params): pinned host memory only where there is a GPU (accelerate
     # always pins, and pinning fails without one). Shard units: accelerate wraps every block of
     # the model's own class (its _no_split_modules: LlamaDecoderLayer, GPT2Block...) and the root.
-    policies = {}
-    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(os.environ.get("ACCELERATE_MIXED_PRECISION"))
-    if compute is not None:
-        policies["mixed_precision_policy"] = MixedPrecisionPolicy(
-            param_dtype=compute, reduce_dtype=torch.float32, output_dtype=compute)
-    if guard.flag("FSDP_OFFLOAD_PARAMS"):
-        policies["cpu_offload"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     accelerator = Accelerator(step_scheduler_with_optimizer=False,
-                              fsdp_plugin=FullyShardedDataParallelPlugin(**policies))
+                              fsdp_plugin=FullyShardedDataParallelPlugin(**fsdp_policies()))
     guard.check_launch(accelerator, Path(__file__).name, supports=("fsdp",))
     if not accelerator.state.fsdp_plugin.reshard_after_forward:
         raise config.ConfigError(f"{Path(__file__).name} needs fsdp_reshard_after_forward: true (full shard)")

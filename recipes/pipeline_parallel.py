@@ -48,7 +48,7 @@ from accelerate.utils import gather_object
 
 from common import model as modeling
 from common.files import write_json
-from train_extras import parallel
+from train_extras.parallel.pipeline import Pipeline, check_pipeline_layout
 # End new
 
 
@@ -77,7 +77,7 @@ def main(argv=None):
                                  f"stage each, at least one layer per stage); got {accelerator.num_processes}")
     if getattr(model_cfg, "tie_word_embeddings", False):
         raise config.ConfigError(f"{Path(__file__).name}: tied embeddings would span the first and the last stage")
-    parallel.check_pipeline_layout(model_cfg, Path(__file__).name)
+    check_pipeline_layout(model_cfg, Path(__file__).name)
     # End new
     if accelerator.mixed_precision == "fp16":
         raise config.ConfigError(f"{Path(__file__).name} does not handle fp16 loss scaling; use fp16_scaler.py")
@@ -98,7 +98,7 @@ def main(argv=None):
         print(config.describe_setup(setup), flush=True)
 
     # New: the same full model on every rank (same seed), then this rank's stage of it
-    pipeline = parallel.Pipeline(modeling.build_model(cfg, len(tokenizer)), accelerator, micro_batches)
+    pipeline = Pipeline(modeling.build_model(cfg, len(tokenizer)), accelerator, micro_batches)
     model = pipeline.module  # this stage's layers: what this rank trains
     optimizer = modeling.build_optimizer(model, cfg, accelerator.device)
     scheduler = modeling.build_scheduler(optimizer, cfg)

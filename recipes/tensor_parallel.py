@@ -51,8 +51,8 @@ from common import config, data, guard
 from common import model as modeling
 from common.export import export_pretrained
 from common.files import write_json
-# New: the model-family check and transformers' TP loading (train_extras/parallel.py).
-from train_extras import parallel
+# New: the model-family check and transformers' TP loading (train_extras/parallel/tensor_parallel.py).
+from train_extras.parallel import tensor_parallel
 # End new
 
 
@@ -65,7 +65,7 @@ def main(argv=None):
     cfg = config.parse(Options, argv, recipe=Path(__file__).name)
     modeling.check_seq_len(cfg)
     # New: the process count against the config's tp_size, before accelerate builds the mesh.
-    parallel.check_launch_sizes(Path(__file__).name)
+    tensor_parallel.check_launch_sizes(Path(__file__).name)
     # End new
 
     # Mixed precision, device and process count come from the launch config. The LR schedule is
@@ -74,7 +74,7 @@ def main(argv=None):
     # New: the mesh comes from the config's parallelism_config; TP alone (2D is train.py's). fp16 is refused.
     guard.check_launch(accelerator, Path(__file__).name, supports=("tp",))
     tp_size = config.tensor_parallel_size(accelerator)  # = the world size (accelerate checks the mesh's total)
-    parallel.check(accelerator, cfg, modeling.model_config(cfg), Path(__file__).name)
+    tensor_parallel.check(accelerator, cfg, modeling.model_config(cfg), Path(__file__).name)
     # End new
     set_seed(cfg.seed)
 
@@ -95,7 +95,7 @@ def main(argv=None):
         if accelerator.is_main_process:
             modeling.build_model(cfg, len(tokenizer)).save_pretrained(folder)
         accelerator.wait_for_everyone()
-    model = parallel.load_with_tp_plan(folder, cfg, tp_size, accelerator)
+    model = tensor_parallel.load_with_tp_plan(folder, cfg, tp_size, accelerator)
     # End new
     optimizer = modeling.build_optimizer(model, cfg, accelerator.device)
     scheduler = modeling.build_scheduler(optimizer, cfg)

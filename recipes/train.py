@@ -17,16 +17,16 @@ Qwen, Mistral, GPT-2, GPT-NeoX, Gemma...): FSDP2 shards by the model's own block
 counted from its real parameters, tied embeddings stay tied, TP uses the model's declared plan.
 
 Features: every config in accelerate_configs/ (single process, DDP, FSDP2, DeepSpeed ZeRO-1/2/3,
-tensor parallel and 2D FSDP2 x TP from parallelism_config: train_extras/parallel.py);
+tensor parallel and 2D FSDP2 x TP from parallelism_config: train_extras/parallel/tensor_parallel.py);
 mixed precision from the launch config (no / bf16 / fp16 with a GradScaler whose skipped steps
 hold the schedule); gradient accumulation with the loss normalised by the step's target tokens
 over all micro-batches and ranks; clipping on the full gradient (pre-clip norm logged); NaN/inf
 losses skipped, counted, and fatal after --max_nonfinite_steps in a row; four LR schedules;
 held-out eval; gradient checkpointing; pretrained start; resumable, atomic, rotated checkpoints
 with exact resume; fused AdamW; tqdm bar with loss, lr and tokens/s on a terminal, one plain line
-per interval in a log file; <output_dir>/metrics.jsonl appended as the run goes (train_extras/run_log.py).
+per interval in a log file; <output_dir>/metrics.jsonl appended as the run goes (train_extras/run_record.py).
 Preemption (SIGTERM/SIGUSR1 on any rank): every rank finishes the step, a checkpoint and
-<output_dir>/requeue.json are written, exit code 75 (train_extras/preemption.py). A rank that dies
+<output_dir>/requeue.json are written, exit code 75 (train_extras/resume/preemption.py). A rank that dies
 or hangs makes the others stop within --collective_timeout seconds with a message, not hang.
 Per log interval: tokens/s (global, per device), step time, MFU, memory per rank, ETA, into
 run_summary.json and the trackers of --report_to (secrets removed first; one tracker run across
@@ -53,10 +53,12 @@ from common import config, data, guard
 from common import model as modeling
 from common.export import export_pretrained
 from common.files import write_json
-from train_extras import (checkpoint, data_at_scale, flops, metrics, output_dir, parallel, preemption, run_log,
-                          strategy, tracking)
+from train_extras import data_at_scale
+from train_extras.observe import flops, metrics, run_record, tracking
+from train_extras.parallel import cpu_threads, deepspeed_settings, fsdp_settings, tensor_parallel
+from train_extras.resume import checkpoint, output_dir, preemption
 from train_extras.options import TrainConfig
-from train_extras.sampling import sample_text
+from train_extras.observe.sampling import sample_text
 
 
 def batches_forever(accelerator, loader, epoch: int = 0, skip: int = 0):
@@ -130,10 +132,10 @@ def main(argv=None):
     # ---- config: every check that needs no model runs here, before anything heavy ----
     cfg = config.parse(TrainConfig, argv, recipe="train.py")
     modeling.check_seq_len(cfg)
-    parallel.check_launch_sizes("train.py")  # the process count against parallelism_config, before the mesh
-    strategy.use_available_cores()  # accelerate's default for one CPU process is one thread
-    if not run_log.draw_bar():  # a scheduler's log file: plain lines, no progress-bar redraws
-        run_log.library_bars_off()
+    tensor_parallel.check_launch_sizes("train.py")  # the process count against parallelism_config, before the mesh
+    cpu_threads.use_available_cores()  # accelerate's default for one CPU process is one thread
+    if not run_record.draw_bar():  # a scheduler's log file: plain lines, no progress-bar redraws
+        run_record.library_bars_off()
     # From here on a SIGTERM/SIGUSR1 means "save and stop after this step", not "die now".
     watch = preemption.PreemptionWatch().install() if cfg.save_on_preemption else preemption.PreemptionWatch()
 
@@ -145,8 +147,8 @@ def main(argv=None):
     accelerator = Accelerator(
         gradient_accumulation_plugin=plugin,
         step_scheduler_with_optimizer=False,
-        fsdp_plugin=strategy.fsdp_plugin(modeling.model_config(cfg)),  # None unless the config asks for FSDP
-        log_with=cfg.report_to or None,  # trackers see only redacted options (train_extras/tracking.py)
+        fsdp_plugin=fsdp_settings.plugin(modeling.model_config(cfg)),  # None unless the config asks for FSDP
+        log_with=cfg.report_to or None,  # trackers see only redacted options (train_extras/observe/tracking.py)
         project_dir=cfg.output_dir,
         kwargs_handlers=[
             GradScalerKwargs(init_scale=cfg.fp16_init_scale),  # used by fp16 only
@@ -156,7 +158,7 @@ def main(argv=None):
         ],
     )
     guard.check_launch(accelerator, "train.py", supports=("single", "ddp", "fsdp", "deepspeed", "tp", "fsdp+tp"))
-    strategy.configure_deepspeed(accelerator, cfg)  # DeepSpeed clips in its step: pass --max_grad_norm on
+    deepspeed_settings.configure(accelerator, cfg)  # DeepSpeed clips in its step: pass --max_grad_norm on
     if not cfg.eval_only:  # one live run per folder (an OS lock), before anything is written into it
         output_dir.claim(cfg.output_dir, accelerator)
     if accelerator.is_main_process and not cfg.eval_only:
@@ -177,13 +179,13 @@ def main(argv=None):
 
     tokenizer = data.build_tokenizer(cfg)
     model_cfg = modeling.model_config(cfg, len(tokenizer))
-    tensor_parallel = parallel.layout(accelerator)  # {"dp_shard": M, "tp": N} from parallelism_config, or None
-    parallel.check(accelerator, cfg, model_cfg, "train.py")  # the mesh parallelism_config asks for, as it runs
+    tp_layout = tensor_parallel.layout(accelerator)  # {"dp_shard": M, "tp": N} from parallelism_config, or None
+    tensor_parallel.check(accelerator, cfg, model_cfg, "train.py")  # the mesh parallelism_config asks for, as it runs
     flops_per_token = flops.flops_per_token(model_cfg, cfg.seq_len)
 
     # ---- data: rank 0 tokenises and caches first (the others wait up to --data_timeout), then the
     # others read its cache; or each rank streams its own part (train_extras/data_at_scale.py) ----
-    if cfg.streaming and tensor_parallel:
+    if cfg.streaming and tp_layout:
         raise config.ConfigError("--streaming splits the stream over all ranks: not with tensor parallelism")
     with data_at_scale.main_process_first(accelerator, cfg.data_timeout):
         if cfg.streaming:
@@ -209,11 +211,11 @@ def main(argv=None):
                             else f"unknown ({peak['source']}): no MFU",
             "data": f"{'streamed' if cfg.streaming else len(train_set)} train / {len(eval_set)} held-out "
                     + (f"blocks of {cfg.seq_len + 1} tokens" if cfg.packing else "documents, padded"),
-            **parallel.describe_mesh(accelerator),  # HSDP: accelerate's dp_replicate x dp_shard mesh
+            **tensor_parallel.describe_mesh(accelerator),  # HSDP: accelerate's dp_replicate x dp_shard mesh
         }), flush=True)
 
     # ---- model, optimizer, schedule ----
-    model = modeling.build_model(cfg, len(tokenizer), dtype=strategy.weights_dtype(accelerator))
+    model = modeling.build_model(cfg, len(tokenizer), dtype=deepspeed_settings.weights_dtype(accelerator))
     if cfg.compile:
         # accelerate's regional compilation, in place (its FSDP2 and DeepSpeed route, here for every
         # strategy): each repeated block compiled once and reused, the rest apart. In place, the
@@ -222,13 +224,13 @@ def main(argv=None):
         # hooks, added later by prepare, still run.
         compile_regions_fsdp2(model)
     num_params = metrics.count_parameters(model)
-    if tensor_parallel:  # TP (then FSDP2 for 2D) on accelerate's mesh, by torch's own APIs
-        model = parallel.parallelize(model, accelerator)
+    if tp_layout:  # TP (then FSDP2 for 2D) on accelerate's mesh, by torch's own APIs
+        model = tensor_parallel.parallelize(model, accelerator)
     optimizer = modeling.build_optimizer(model, cfg, accelerator.device)
     scheduler = modeling.build_scheduler(optimizer, cfg)
     # A streamed loader stays ours: each rank already reads its own part (accelerate would split it again).
     loaders = (eval_loader,) if cfg.streaming else (train_loader, eval_loader)
-    if tensor_parallel:  # accelerate takes TP models from transformers' tp_plan only: it gets the data and schedule
+    if tp_layout:  # accelerate takes TP models from transformers' tp_plan only: it gets the data and schedule
         *loaders, scheduler = accelerator.prepare(*loaders, scheduler)
     else:
         model, optimizer, *loaders, scheduler = accelerator.prepare(model, optimizer, *loaders, scheduler)
@@ -257,7 +259,7 @@ def main(argv=None):
         result = modeling.evaluate(model, eval_loader, accelerator, cfg.eval_batches)
         summary["eval"].append({"step": step, **result})
         accelerator.log({"eval/loss": result["loss"], "eval/perplexity": result["perplexity"]}, step=step)
-        record.write([{"kind": "eval", "step": step, **result, "time": run_log.now()}])
+        record.write([{"kind": "eval", "step": step, **result, "time": run_record.now()}])
         if accelerator.is_main_process:
             tqdm.write(f"step {step}: eval loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f}")
         if cfg.sample_at_eval and cfg.sample_length:
@@ -292,7 +294,7 @@ def main(argv=None):
         return evaluate_only(accelerator, cfg, summary, modeling.evaluate(model, eval_loader, accelerator,
                                                                           cfg.eval_batches), start_step)
     # <output_dir>/metrics.jsonl, appended as the run goes (a resumed run goes on with it from its step)
-    record = run_log.MetricsFile(cfg.output_dir, start_step if resume_path is not None else None,
+    record = run_record.MetricsFile(cfg.output_dir, start_step if resume_path is not None else None,
                                  enabled=accelerator.is_main_process)
     if resume_path is None and cfg.eval_every > 0:
         run_eval(0)
@@ -313,7 +315,7 @@ def main(argv=None):
     model.train()
     batches = (data_at_scale.streamed_batches(accelerator, train_loader, skip) if cfg.streaming
                else batches_forever(accelerator, train_loader, epoch, skip))
-    log = run_log.IntervalLog(accelerator, cfg, summary, record, tokens_per_step, flops_per_token, peak["tflops"],
+    log = run_record.IntervalLog(accelerator, cfg, summary, record, tokens_per_step, flops_per_token, peak["tflops"],
                               start_step)
     nonfinite, overflow = NonFinitePolicy(accelerator, cfg.max_nonfinite_steps), OverflowSkips(accelerator)
     preempted = None
@@ -332,7 +334,7 @@ def main(argv=None):
         scale = cfg.gradient_accumulation_steps * accelerator.num_processes / step_tokens
         loss_sum = torch.zeros((), device=accelerator.device)
         for i, batch in enumerate(micro_batches):
-            if tensor_parallel and tensor_parallel["dp_shard"] > 1:  # our own fully_shard: accelerate cannot pause it
+            if tp_layout and tp_layout["dp_shard"] > 1:  # our own fully_shard: accelerate cannot pause it
                 model.set_requires_gradient_sync(i == len(micro_batches) - 1)
             with accelerator.accumulate(model):  # no gradient all-reduce before the last micro-batch
                 micro_sum = modeling.causal_lm_loss(model, batch["input_ids"], batch["labels"], reduction="sum")

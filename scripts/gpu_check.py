@@ -16,7 +16,7 @@ parallel, 2D, HSDP and the pipeline split the model over GPUs: with fewer GPUs t
 
 Rows come from each run's run_summary.json (never from parsing logs). tokens/s is the median of
 the logging intervals after the first (which holds start-up work); MFU = tokens/s x FLOPs per
-token / (world size x the GPU's dense datasheet peak for that precision, train_extras/metrics.py).
+token / (world size x the GPU's dense datasheet peak for that precision, train_extras/observe/metrics.py).
 """
 
 from __future__ import annotations
@@ -187,9 +187,9 @@ def peak_memory(summary: dict, probes: Path) -> list[dict]:
 
 def row_from_summary(summary: dict, args, gpu_name: str, memory_per_rank: list[dict]) -> dict:
     from common.config import RecipeConfig
-    from train_extras.metrics import peak_tflops
+    from train_extras.observe.metrics import peak_tflops
     from common.model import model_config
-    from train_extras.flops import flops_per_token
+    from train_extras.observe.flops import flops_per_token
 
     setup = summary["setup"]
     world = setup["world_size"]

@@ -11,7 +11,7 @@ import pytest
 from common import config
 from common import model as modeling
 from conftest import DEBUG_ARGS, ROOT, launch, load_recipe
-from train_extras import output_dir, preemption
+from train_extras.resume import output_dir, preemption
 
 
 @pytest.fixture
@@ -30,7 +30,7 @@ def no_model(monkeypatch, tmp_path):
 @pytest.fixture(autouse=True)
 def release_run_locks():
     """An in-process train.py claims its output folder and keeps the lock until its process ends, as
-    a run does (train_extras/output_dir.py): let go after each test, as that end would."""
+    a run does (train_extras/resume/output_dir.py): let go after each test, as that end would."""
     yield
     while output_dir._held:
         os.close(output_dir._held.pop())
@@ -112,7 +112,7 @@ def test_too_little_training_data_stops_at_once_instead_of_waiting_for_ever(tmp_
     assert not (out / "run_summary.json").exists()
 
 
-# ---- a finished run is not overwritten (train_extras/output_dir.py, check_not_finished) ----
+# ---- a finished run is not overwritten (train_extras/resume/output_dir.py, check_not_finished) ----
 def finished_run(folder, summary: dict | None, export: bool = True):
     """What a finished run leaves, as far as the check reads it: its lock, its record, its export."""
     from common.data import build_tokenizer

@@ -11,7 +11,7 @@ import pytest
 from common import data
 from common.config import ConfigError, parse
 from synthetic import corpus_file, save_bos_tokenizer, synthetic_documents
-from train_extras.metrics import bigram_entropy
+from train_extras.observe.metrics import bigram_entropy
 from train_extras.options import TrainConfig
 
 # sha256 of the first 4096 bytes of the default corpus (8000 documents, generator v1). The

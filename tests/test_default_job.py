@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from common import data
-from train_extras import strategy
+from train_extras.parallel import cpu_threads
 from train_extras.options import TrainConfig
 from conftest import ACCELERATE, ROOT, Run, launch_env
 
@@ -81,7 +81,7 @@ def test_a_thread_count_the_user_chose_stands(monkeypatch):
                 break
             time.sleep(0.05)
         try:
-            assert strategy._launcher_set_threads() is chosen, (args, env)
+            assert cpu_threads.launcher_set_threads() is chosen, (args, env)
         finally:
             launcher.kill()
             launcher.wait()

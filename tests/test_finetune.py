@@ -206,7 +206,7 @@ def test_a_streamed_checkpoint_resumes_only_as_it_was(streamed_run, stream_args)
     from accelerate.utils import DistributedType
 
     from common.config import ConfigError
-    from train_extras.checkpoint import check_compatible
+    from train_extras.resume.checkpoint import check_compatible
 
     step_10 = str(streamed_run.output_dir / "checkpoints" / "step_10")
     ranks = {n: SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, num_processes=n) for n in (1, 2)}
@@ -237,7 +237,7 @@ def test_the_model_is_built_in_fp32_except_under_a_16_bit_deepspeed_engine():
 
     from accelerate.utils import DistributedType
 
-    from train_extras.strategy import weights_dtype
+    from train_extras.parallel.deepspeed_settings import weights_dtype
 
     for kind in (DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.FSDP, DistributedType.DEEPSPEED):
         for precision, deepspeed_dtype in (("no", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):

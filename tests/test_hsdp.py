@@ -19,7 +19,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from common.config import ConfigError
 from common.model import model_config
 from tools import plan
-from train_extras import parallel
+from train_extras.parallel import tensor_parallel
 from train_extras.options import TrainConfig
 from conftest import HARNESS, TRAIN_ARGS, Run, check_exact_resume, check_export_reproduces_model, launch
 
@@ -122,7 +122,7 @@ def test_resume_is_exact(hsdp_run, tmp_path, hf_home):
 # ---- in-process: what train.py checks before any model is built ----
 
 def launched(distributed_type: str) -> SimpleNamespace:
-    """The attributes of an Accelerator that parallel.check and describe_mesh read: a 2 x 2 data mesh."""
+    """The attributes of an Accelerator that tensor_parallel.check and describe_mesh read: a 2 x 2 data mesh."""
     return SimpleNamespace(parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=2), num_processes=4,
                            mixed_precision="no", distributed_type=SimpleNamespace(value=distributed_type))
 
@@ -133,10 +133,10 @@ def test_a_sharding_mesh_that_accelerate_would_run_as_ddp_is_refused():
     cfg = TrainConfig(preset="debug")
     with pytest.raises(ConfigError, match=r"dp_shard_size 2 asks for sharding, but accelerate runs MULTI_GPU, which "
                                           "replicates the model: use distributed_type FSDP"):
-        parallel.check(launched("MULTI_GPU"), cfg, model_config(cfg, 259), "train.py")
-    parallel.check(launched("FSDP"), cfg, model_config(cfg, 259), "train.py")  # HSDP: accepted
-    assert parallel.describe_mesh(launched("FSDP")) == {
+        tensor_parallel.check(launched("MULTI_GPU"), cfg, model_config(cfg, 259), "train.py")
+    tensor_parallel.check(launched("FSDP"), cfg, model_config(cfg, 259), "train.py")  # HSDP: accepted
+    assert tensor_parallel.describe_mesh(launched("FSDP")) == {
         "mesh": "dp_replicate 2 x dp_shard 2 (HSDP: 2 copies, each sharded over 2 ranks)"}
     no_mesh = SimpleNamespace(parallelism_config=None, distributed_type=SimpleNamespace(value="FSDP"))
-    assert parallel.describe_mesh(no_mesh) == {}
-    parallel.check(no_mesh, cfg, model_config(cfg, 259), "train.py")
+    assert tensor_parallel.describe_mesh(no_mesh) == {}
+    tensor_parallel.check(no_mesh, cfg, model_config(cfg, 259), "train.py")

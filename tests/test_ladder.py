@@ -49,7 +49,7 @@ EXPECTED = {
     "deepspeed_zero3.yaml": {"engine": "deepspeed", "zero_stage": 3, "offload_optimizer": "None",
                              "offload_param": "None", "optimizer": "DeepSpeedZeroOptimizer_Stage3"},
     "fsdp_offload.yaml": {"engine": "fsdp2", "reshard_after_forward": True, "offload_policy": "CPUOffloadPolicy",
-                          "offload_pin_memory": False},  # pinning needs a GPU (common/strategy.py)
+                          "offload_pin_memory": False},  # pinning needs a GPU (train_extras/parallel/fsdp_settings.py)
     "deepspeed_zero3_offload.yaml": {"engine": "deepspeed", "zero_stage": 3, "offload_optimizer": "cpu",
                                      "offload_param": "cpu", "inner_optimizer": "DeepSpeedCPUAdam"},
 }

@@ -20,8 +20,8 @@ import pytest
 from conftest import DEBUG_ARGS, read_summary
 from test_observability import tensorboard_scalars
 from test_resilience import STARTED, descendants, start, text, wait_for, worker_pids
-from train_extras import checkpoint, preemption
-from train_extras.run_log import METRICS_FILE
+from train_extras.resume import checkpoint, preemption
+from train_extras.observe.run_record import METRICS_FILE
 
 MAX_STEPS = 40
 ARGS = DEBUG_ARGS + ["--max_steps", str(MAX_STEPS), "--log_every", "2", "--eval_every", "10", "--save_every", "10",

@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from common.config import ConfigError
 from train_extras.options import TrainConfig
 from common.model import PRESETS, build_model, build_optimizer, check_seq_len, model_config
-from train_extras.flops import flops_per_token, matmul_params
+from train_extras.observe.flops import flops_per_token, matmul_params
 
 VOCAB = 259  # the byte-level tokenizer
 

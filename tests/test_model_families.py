@@ -16,11 +16,11 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, Qwen2Config
 
-from train_extras import parallel, strategy
+from train_extras.parallel import fsdp_settings, pipeline, tensor_parallel
 from common.config import ConfigError
 from train_extras.options import TrainConfig
 from common.data import build_tokenizer
-from train_extras.flops import dimensions, flops_per_token, matmul_params
+from train_extras.observe.flops import dimensions, flops_per_token, matmul_params
 from conftest import (HARNESS, SYNTHETIC, TWO_CPU_PROCESSES, TWO_PROCESS_LAUNCH, Run, check_export_reproduces_model,
                       launch)
 
@@ -175,16 +175,16 @@ def test_a_family_without_a_tensor_parallel_plan_is_refused(family_models):
 
     cfg = TrainConfig(model_name_or_path=str(family_models["gpt2"]))
     with pytest.raises(ConfigError, match="the GPT2 model declares no tensor-parallel plan"):
-        parallel.check(stand_in(), cfg, AutoConfig.from_pretrained(family_models["gpt2"]), "train.py")
+        tensor_parallel.check(stand_in(), cfg, AutoConfig.from_pretrained(family_models["gpt2"]), "train.py")
     qwen = TrainConfig(model_name_or_path=str(family_models["qwen2"]))
-    parallel.check(stand_in(), qwen, AutoConfig.from_pretrained(family_models["qwen2"]), "train.py")
+    tensor_parallel.check(stand_in(), qwen, AutoConfig.from_pretrained(family_models["qwen2"]), "train.py")
 
 
 def test_the_pipeline_recipe_takes_llama_layouts_and_refuses_others(family_models):
-    parallel.check_pipeline_layout(AutoConfig.from_pretrained(family_models["qwen2"]), "pipeline_parallel.py")
+    pipeline.check_pipeline_layout(AutoConfig.from_pretrained(family_models["qwen2"]), "pipeline_parallel.py")
     for family in ("gpt2", "gpt_neox"):
         with pytest.raises(ConfigError, match="pipeline_parallel.py splits Llama-layout models"):
-            parallel.check_pipeline_layout(AutoConfig.from_pretrained(family_models[family]), "pipeline_parallel.py")
+            pipeline.check_pipeline_layout(AutoConfig.from_pretrained(family_models[family]), "pipeline_parallel.py")
 
 
 @pytest.fixture
@@ -200,15 +200,15 @@ def fsdp_launch_env(monkeypatch):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fsdp_wraps_the_models_own_blocks_unless_told(family, family_models, fsdp_launch_env):
     config = AutoConfig.from_pretrained(family_models[family])
-    assert strategy.fsdp_plugin(config).transformer_cls_names_to_wrap == [BLOCK[family]]
+    assert fsdp_settings.plugin(config).transformer_cls_names_to_wrap == [BLOCK[family]]
     fsdp_launch_env.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", BLOCK[family])  # a name the user wrote, honoured
-    assert strategy.fsdp_plugin(config).transformer_cls_names_to_wrap == [BLOCK[family]]
+    assert fsdp_settings.plugin(config).transformer_cls_names_to_wrap == [BLOCK[family]]
 
 
 def test_a_block_class_the_model_lacks_is_one_line_naming_its_classes(family_models, fsdp_launch_env):
     fsdp_launch_env.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "LlamaDecoderLayer")
     with pytest.raises(ConfigError) as err:
-        strategy.fsdp_plugin(AutoConfig.from_pretrained(family_models["gpt2"]))
+        fsdp_settings.plugin(AutoConfig.from_pretrained(family_models["gpt2"]))
     message = str(err.value)
     assert "\n" not in message
     assert "names LlamaDecoderLayer, which the GPT2 model does not contain" in message

@@ -9,7 +9,7 @@ from __future__ import annotations
 import socket
 import subprocess
 
-from train_extras import checkpoint
+from train_extras.resume import checkpoint
 import pytest
 
 from conftest import ACCELERATE, HARNESS, ROOT, TWO_RANK_ARGS, Run, launch_env, probe_dir

@@ -21,7 +21,8 @@ from common.config import ConfigError
 from conftest import (CORE_DEBUG_ARGS, DEBUG_ARGS, TRAIN_ARGS, TWO_PROCESS_LAUNCH, TWO_RANK_ARGS, Run,
                       check_exact_resume, launch, launch_two_processes, load_recipe, parse_train)
 from test_resilience import STARTED, checksums, descendants, error_lines, start, wait_for, worker_pids
-from train_extras import checkpoint, output_dir, parallel
+from train_extras.parallel import tensor_parallel
+from train_extras.resume import checkpoint, output_dir
 
 
 def zero_middle(file: Path, count: int = 64) -> None:
@@ -209,9 +210,9 @@ def test_a_process_count_the_parallelism_sizes_do_not_allow_is_one_line_before_t
            **{f"PARALLELISM_CONFIG_{k}_SIZE": v for k, v in sizes.items()}}
     with pytest.raises(ConfigError, match=f"needs {needed} processes; this launch has {world}: launch with "
                                           f"--num_processes {needed}"):
-        parallel.check_launch_sizes("train.py", env)
-    parallel.check_launch_sizes("train.py", {**env, "WORLD_SIZE": str(needed)})  # the right count: fine
-    parallel.check_launch_sizes("train.py", {"WORLD_SIZE": world})  # no parallelism_config: nothing to check
+        tensor_parallel.check_launch_sizes("train.py", env)
+    tensor_parallel.check_launch_sizes("train.py", {**env, "WORLD_SIZE": str(needed)})  # the right count: fine
+    tensor_parallel.check_launch_sizes("train.py", {"WORLD_SIZE": world})  # no parallelism_config: nothing to check
 
 
 def test_tp_yaml_with_the_wrong_process_count_is_one_line(tmp_path, hf_home):

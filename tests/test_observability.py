@@ -9,7 +9,7 @@ import sqlite3
 import pytest
 import torch
 
-from train_extras import metrics, tracking
+from train_extras.observe import metrics, tracking
 from common.config import ConfigError
 from conftest import DEBUG_ARGS, Run, check_export_reproduces_model, launch, parse_train
 

@@ -22,7 +22,7 @@ from accelerate.utils import DistributedType
 
 from common.config import ConfigError
 from probes.sitecustomize import FAULT_PHASES
-from train_extras import checkpoint, preemption
+from train_extras.resume import checkpoint, preemption
 from train_extras.options import TrainConfig
 from conftest import (DEBUG_ARGS, HARNESS, PROBES, ROOT, TRAIN_ARGS, TWO_CPU_PROCESSES, TWO_PROCESS_LAUNCH,
                       TWO_RANK_ARGS, Run, check_exact_resume, check_resumed_losses, launch, launch_command,

@@ -15,7 +15,7 @@ from accelerate.utils import DistributedType
 from common.config import ConfigError
 from common.model import build_scheduler
 from synthetic import corpus_file
-from train_extras import checkpoint
+from train_extras.resume import checkpoint
 from conftest import TRAIN_ARGS, Run, launch, parse_train
 
 SINGLE = SimpleNamespace(distributed_type=DistributedType.NO, num_processes=1)

@@ -12,8 +12,8 @@ from accelerate.parallelism_config import ParallelismConfig
 
 from common.config import ConfigError, data_parallel_size
 from common.model import _split_by_mesh, model_config
-from train_extras import parallel
-from train_extras.checkpoint import check_compatible
+from train_extras.parallel import tensor_parallel
+from train_extras.resume.checkpoint import check_compatible
 from train_extras.options import TrainConfig
 from conftest import (CORE_DEBUG_ARGS, DEBUG_ARGS, HARNESS, TRAIN_ARGS, TWO_PROCESS_LAUNCH, Run, check_exact_resume,
                       check_export_reproduces_model, check_loss_goes_down, launch)
@@ -173,9 +173,9 @@ def test_resume_is_exact(name, half, tp_runs, tmp_path, hf_home):
     full = tp_runs(name)
     step_half = full.output_dir / "checkpoints" / f"step_{half}"
     # model and optimizer shards by torch.distributed.checkpoint, one file per rank; RNG per rank
-    shards = sorted(p.name for p in (step_half / parallel.SHARDED_STATE_DIR).glob("*.distcp"))
+    shards = sorted(p.name for p in (step_half / tensor_parallel.SHARDED_STATE_DIR).glob("*.distcp"))
     world = full.summary["setup"]["world_size"]
-    assert len(shards) == world and (step_half / parallel.SHARDED_STATE_DIR / ".metadata").is_file()
+    assert len(shards) == world and (step_half / tensor_parallel.SHARDED_STATE_DIR / ".metadata").is_file()
     rng_files = sorted(p.name for p in step_half.glob("random_states_*.pkl"))
     assert rng_files == [f"random_states_{r}.pkl" for r in range(world)]
     args = RUNS[name][3] + ["--resume_from_checkpoint", str(step_half), "--output_dir", str(tmp_path)]
@@ -206,8 +206,8 @@ def stand_in(tp=2, dp_shard=1, distributed_type="MULTI_GPU", mixed_precision="no
 def test_impossible_tensor_parallel_setups_are_refused(kwargs, options, message):
     cfg = TrainConfig(preset="debug", **options)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        parallel.check(stand_in(**kwargs), cfg, model_config(cfg, 259), "train.py")
-    parallel.check(stand_in(), TrainConfig(preset="debug"), model_config(TrainConfig(preset="debug"), 259), "x")
+        tensor_parallel.check(stand_in(**kwargs), cfg, model_config(cfg, 259), "train.py")
+    tensor_parallel.check(stand_in(), TrainConfig(preset="debug"), model_config(TrainConfig(preset="debug"), 259), "x")
 
 
 def test_a_checkpoint_resumes_only_on_its_own_mesh(tp_runs):

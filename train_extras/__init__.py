@@ -1,3 +1,10 @@
-"""What only recipes/train.py (and the TP / pipeline recipes) need beside the core in common/:
-resume and atomic checkpoints, preemption and lost ranks, trackers, throughput/MFU/memory, FLOPs,
-sampling, FSDP2/DeepSpeed settings for any model, tensor/2D/pipeline parallelism, train.py's options."""
+"""What only recipes/train.py (and the TP / pipeline recipes) need beside the core in common/, by
+capability:
+
+    options.py       train.py's options: the core groups plus its own, checked in a written order
+    data_at_scale.py waiting for rank 0's tokenising (--data_timeout), --streaming
+    resume/          checkpoints (save, verify, resume rules), the output folder, preemption
+    observe/         the run's record (run_summary.json, metrics.jsonl, trackers, log lines),
+                     throughput/MFU/memory, FLOPs, secrets kept from trackers, a sample of text
+    parallel/        FSDP2 and DeepSpeed settings (one module each), CPU threads, TP/2D, pipeline
+"""

@@ -63,7 +63,7 @@ class TrackingOptions:
 
     def check(self):
         if self.report_to:
-            from train_extras.tracking import check_available
+            from train_extras.observe.tracking import check_available
 
             check_available(self.report_to)
 

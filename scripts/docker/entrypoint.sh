@@ -18,7 +18,7 @@
 # The exit code. A preempted worker exits 75, but that code never reaches this script: a 1-process
 # launcher is killed by the signal itself (status 143 for SIGTERM, 138 for SIGUSR1) and its orphaned
 # worker is reaped by tini, not by us; torchelastic turns any worker failure into 1. What does
-# survive is the recipe's contract with schedulers (train_extras/preemption.py): rank 0 holds
+# survive is the recipe's contract with schedulers (train_extras/resume/preemption.py): rank 0 holds
 # `<output_dir>/.run.lock` open while it runs and writes `<output_dir>/requeue.json` after the
 # preemption checkpoint. So when a signal arrives, this script reads the run folders off the open
 # `.run.lock` files of its own processes (descendants and process group, from /proc), and at the

@@ -260,7 +260,7 @@ def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precis
         # place on the reduce-scatter output, _fsdp_collectives.py:657-662: no buffer of its own)
         off = "host" if rung.offload else "device"
         # The model is built in fp32; MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
-        # (fsdp_full_shard.py, train_extras/strategy.py) only changes the all-gathered copies:
+        # (fsdp_full_shard.py, train_extras/parallel/fsdp_settings.py) only changes the all-gathered copies:
         # shards, their grads and the AdamW states stay fp32. CPUOffloadPolicy keeps all three in CPU RAM.
         add("fp32 parameter shards (DTensor)", "params", "rest", 4 * P / W,
             f"{SRC_FSDP}/_fsdp_param.py:298-318 (padded shard in the original dtype; offload: .cpu())", off,

@@ -44,7 +44,7 @@ import torch
 from common.config import ConfigError, RecipeStop, one_line
 from common.config import run_cli as config_run_cli
 from common.files import write_json
-from train_extras.output_dir import disk_full, remove_unused
+from train_extras.resume.output_dir import disk_full, remove_unused
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 REQUEUE_MARKER = "requeue.json"

@@ -92,7 +92,7 @@ def gpu_peak(device_name: str, precision: str) -> tuple[float | None, str]:
     for pattern, part, *peaks in GPU_PEAKS:
         if re.fullmatch(pattern, name):
             return peaks[column], part
-    return None, f"no datasheet peak for {device_name!r} in train_extras/metrics.py GPU_PEAKS"
+    return None, f"no datasheet peak for {device_name!r} in train_extras/observe/metrics.py GPU_PEAKS"
 
 
 def peak_tflops(device_name: str, precision: str) -> float | None:

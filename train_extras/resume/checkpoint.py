@@ -3,7 +3,7 @@
 `<output_dir>/checkpoints/step_<N>/` holds accelerate's `save_state` (model,
 optimizer, scheduler, GradScaler, every rank's RNG; sharded per rank under FSDP2 and DeepSpeed;
 under tensor parallelism, where the model and optimizer are not accelerate's, their shards go to
-torch.distributed.checkpoint in `model_optimizer_dcp/`, train_extras/parallel.py) plus
+torch.distributed.checkpoint in `model_optimizer_dcp/`, train_extras/parallel/tensor_parallel.py) plus
 `checkpoint.json`: the step, the data position, the resolved config and the list of every file
 with its size and checksum, plus a checksum of its own content. Rotation keeps the newest
 --save_total_limit by step number (never sorted as text: step_9 < step_10).
@@ -48,8 +48,8 @@ from accelerate.utils import DistributedType, broadcast_object_list, gather_obje
 from common.config import (ConfigError, TrainingError, data_file_list, data_parallel_size, one_line,
                            same_on_every_rank, tensor_parallel_size)
 from common.files import write_json
-from train_extras import parallel
-from train_extras.output_dir import disk_full, free_bytes
+from train_extras.parallel import tensor_parallel
+from train_extras.resume.output_dir import disk_full, free_bytes
 
 CHECKPOINT_DIR = "checkpoints"
 METADATA = "checkpoint.json"
@@ -392,7 +392,7 @@ def save(accelerator, output_dir: str | Path, step: int, metadata: dict, keep: i
          model=None, optimizer=None) -> Path:
     """Write step_<step> atomically (all ranks call this), then rotate old checkpoints.
 
-    Under tensor parallelism the model and optimizer are not accelerate's (train_extras/parallel.py):
+    Under tensor parallelism the model and optimizer are not accelerate's (train_extras/parallel/tensor_parallel.py):
     pass them, and their shards go to torch.distributed.checkpoint next to save_state's files."""
     root = Path(output_dir) / CHECKPOINT_DIR
     final, partial = root / f"step_{step}", root / f".step_{step}.partial"
@@ -405,8 +405,8 @@ def save(accelerator, output_dir: str | Path, step: int, metadata: dict, keep: i
 
     def write_state():
         accelerator.save_state(str(partial))  # every rank writes its part (shards, RNG)
-        if parallel.layout(accelerator) is not None:
-            parallel.save_sharded(model, optimizer, partial)
+        if tensor_parallel.layout(accelerator) is not None:
+            tensor_parallel.save_sharded(model, optimizer, partial)
 
     _unless_disk_full(write_state, accelerator, root, partial, final)
     # Every file fsynced (so the rename below cannot reach the disk before the data does) and its
@@ -510,8 +510,8 @@ def load(accelerator, path: str | Path, optimizer, scheduler, cfg, model=None) -
     it becomes one error line naming the checkpoint and the run stops; it never trains on."""
     try:
         accelerator.load_state(str(path))
-        if parallel.layout(accelerator) is not None:
-            parallel.load_sharded(model, optimizer, Path(path))
+        if tensor_parallel.layout(accelerator) is not None:
+            tensor_parallel.load_sharded(model, optimizer, Path(path))
     except Exception as err:  # noqa: BLE001 - any reader's error: safetensors, torch.load, DCP, DeepSpeed
         raise ConfigError(f"checkpoint {path} could not be loaded ({one_line(err)}); "
                           "resume from an older checkpoint") from None

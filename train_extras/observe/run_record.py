@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from train_extras import metrics
+from train_extras.observe import metrics
 
 METRICS_FILE = "metrics.jsonl"
 
