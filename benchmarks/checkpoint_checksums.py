@@ -113,7 +113,7 @@ def main():
                         continue
                     t0 = time.perf_counter()
                     checkpoint.verify(path, accelerator, contents=contents)
-                    checkpoint.load(accelerator, path, optimizer, scheduler, model)
+                    checkpoint.load(accelerator, path, optimizer, scheduler, cfg)
                     key = f"resume {cache}, {'checksums' if contents else 'sizes only'}"
                     times[key].append(time.perf_counter() - t0)
             shutil.rmtree(out)

@@ -66,7 +66,7 @@ def tokenise_once(corpus: Path, tokenizer, num_proc: int, cache: Path) -> tuple[
     datasets.utils.disable_progress_bars()
     cfg = TrainConfig(data_files=[str(corpus)], dataset_num_proc=num_proc if num_proc > 1 else None)
     t0 = time.perf_counter()
-    stream = data.tokenize_and_stream(data.load_documents(cfg), tokenizer, "train", cfg)
+    stream = data.tokenize_and_stream(data.load_documents(cfg), tokenizer, "train", cfg, cfg.dataset_num_proc)
     return len(stream), time.perf_counter() - t0
 
 

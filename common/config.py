@@ -139,12 +139,28 @@ class EvalOptions:
 
 @dataclass
 class RecipeConfig(EvalOptions, OptimizerOptions, DataOptions, ModelOptions, RunOptions):
-    """The options every recipe has. A recipe adds its technique's groups by subclassing."""
+    """The options every recipe has. A recipe adds its technique's groups as bases (their order is
+    the order of --help) and writes its own `check_order` with them in; one that adds none keeps this."""
+    check_order = (ModelOptions, DataOptions, OptimizerOptions)  # the groups' check(), run in this order
 
-    def __post_init__(self):  # every group's checks: they need no model and no data, so they run first
-        for cls in reversed(type(self).__mro__):
-            if "check" in vars(cls):
-                vars(cls)["check"](self)
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _check_order_is_complete(cls)
+
+    def __post_init__(self):  # the checks need no model and no data, so they run first
+        for group in self.check_order:
+            group.check(self)
+
+
+def _check_order_is_complete(cls) -> None:
+    """`check_order` names, once each, every base of `cls` with a check() of its own, and nothing else."""
+    listed, have = list(cls.check_order), [base for base in cls.__mro__ if "check" in vars(base)]
+    problems = [f"{group.__name__} is missing" for group in have if group not in listed]
+    problems += [f"{getattr(group, '__name__', group)} is not a base with a check() of its own"
+                 for group in listed if group not in have]
+    problems += [f"{group.__name__} is listed twice" for group in dict.fromkeys(listed) if listed.count(group) > 1]
+    if problems:
+        raise TypeError(f"{cls.__name__}.check_order: {'; '.join(problems)}")
 
 
 # Groups of the recipes that implement them (a recipe lists only the groups it uses).
@@ -170,10 +186,10 @@ def _positive(options, *names):
             raise ConfigError(f"--{name} must be positive, got {getattr(options, name)}")
 
 
-def _has_text(path: str, chunk: int = 1 << 16) -> bool:
-    """True once a non-whitespace byte is found; reads only as far as it must."""
+def _has_text(path: str) -> bool:
+    """True once a non-whitespace byte is found; reads only as far as it must (64 KiB at a time)."""
     with open(path, "rb") as f:
-        return any(block.strip() for block in iter(lambda: f.read(chunk), b""))
+        return any(block.strip() for block in iter(lambda: f.read(1 << 16), b""))
 
 
 # datasets' builder of each file suffix
@@ -328,7 +344,8 @@ def setup_facts(cfg, accelerator, options: dict | None = None, data_ranks: int |
     of cfg (default: all of it; train.py passes them with secrets removed).
     data_ranks: ranks with batches of their own, where the recipe knows better than the mesh (pipeline: 1)."""
     world = data_ranks or data_parallel_size(accelerator)
-    sequences = cfg.micro_batch_size * getattr(cfg, "gradient_accumulation_steps", 1) * world
+    accumulation = cfg.gradient_accumulation_steps if isinstance(cfg, AccumulationOptions) else 1  # a core group
+    sequences = cfg.micro_batch_size * accumulation * world
     return {  # data_parallel_size: ranks with different batches; tensor_parallel_size: ranks splitting matrices
         "options": dataclasses.asdict(cfg) if options is None else options,
         "distributed_type": accelerator.distributed_type.value, "world_size": accelerator.num_processes,

@@ -146,8 +146,9 @@ def document_bounds(tokenizer, add_bos: bool = True) -> tuple[list[int], list[in
     return ([bos] if add_bos and bos is not None and bos != eos else []), [eos]
 
 
-def tokenize_documents(docs, tokenizer, name: str, cfg):
-    """Token ids of every document, between its bounds (cached by `datasets`)."""
+def tokenize_documents(docs, tokenizer, name: str, cfg, num_proc: int | None = None):
+    """Token ids of every document, between its bounds (cached by `datasets`), in `num_proc`
+    processes (datasets.map's; None: this one)."""
     head, tail = document_bounds(tokenizer, cfg.add_bos)
 
     def tokenize(batch):
@@ -155,14 +156,14 @@ def tokenize_documents(docs, tokenizer, name: str, cfg):
         return {"input_ids": ids, "length": [len(x) for x in ids]}
 
     return docs.map(tokenize, batched=True, remove_columns=docs.column_names, desc=f"tokenise {name}",
-                    num_proc=getattr(cfg, "dataset_num_proc", None))  # train.py's option
+                    num_proc=num_proc)
 
 
-def tokenize_and_stream(docs, tokenizer, name: str, cfg) -> np.ndarray:
-    """Tokenise documents and return their token stream (written once to disk)."""
+def tokenize_and_stream(docs, tokenizer, name: str, cfg, num_proc: int | None = None) -> np.ndarray:
+    """Tokenise documents (in `num_proc` processes) and return their token stream (written once to disk)."""
     import datasets
 
-    tokenized = tokenize_documents(docs, tokenizer, name, cfg)
+    tokenized = tokenize_documents(docs, tokenizer, name, cfg, num_proc)
     dtype = np.uint16 if len(tokenizer) <= 65536 else np.uint32  # 2 bytes per token when ids fit
     # The map's fingerprint identifies (source data, tokenizer, function): reuse the stream file.
     cache = Path(datasets.config.HF_DATASETS_CACHE) / "accelerate_recipes" / "streams"
@@ -203,9 +204,9 @@ class PaddedDocuments(Dataset):
         return {"input_ids": input_ids, "labels": labels, "index": index}
 
 
-def build_datasets(cfg, tokenizer):
+def build_datasets(cfg, tokenizer, num_proc: int | None = None):
     """Train and held-out datasets (PackedBlocks, or PaddedDocuments with --packing false); the
-    held-out part is a fixed set of whole documents."""
+    held-out part is a fixed set of whole documents. num_proc: processes that tokenise (None: this one)."""
     docs = load_documents(cfg)
     if not cfg.data_files and not cfg.dataset_name:  # Shakespeare: its first 90% and the held-out rest
         split = {"train": docs.select([0]), "test": docs.select([1])}
@@ -218,10 +219,10 @@ def build_datasets(cfg, tokenizer):
                                       shuffle=True)
     if not cfg.packing:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        return tuple(PaddedDocuments(tokenize_documents(split[part], tokenizer, name, cfg), cfg.seq_len, pad_id)
-                     for part, name in (("train", "train"), ("test", "eval")))
-    train = PackedBlocks(tokenize_and_stream(split["train"], tokenizer, "train", cfg), cfg.seq_len)
-    held_out = PackedBlocks(tokenize_and_stream(split["test"], tokenizer, "eval", cfg), cfg.seq_len)
+        return tuple(PaddedDocuments(tokenize_documents(split[part], tokenizer, name, cfg, num_proc), cfg.seq_len,
+                                     pad_id) for part, name in (("train", "train"), ("test", "eval")))
+    train = PackedBlocks(tokenize_and_stream(split["train"], tokenizer, "train", cfg, num_proc), cfg.seq_len)
+    held_out = PackedBlocks(tokenize_and_stream(split["test"], tokenizer, "eval", cfg, num_proc), cfg.seq_len)
     for name, ds in (("training", train), ("held-out", held_out)):
         if len(ds) == 0:
             raise ConfigError(f"the {name} split has fewer than seq_len+1={cfg.seq_len + 1} tokens")
@@ -248,14 +249,16 @@ class EpochShuffleSampler(Sampler[int]):
         return iter(order.tolist())
 
 
-def build_loaders(cfg, train: PackedBlocks, held_out: PackedBlocks, pin_memory: bool, data_ranks: int | None = None):
+def build_loaders(cfg, train: PackedBlocks, held_out: PackedBlocks, pin_memory: bool, data_ranks: int | None = None,
+                  trains: bool = True):
     """data_ranks: the ranks that accelerate's prepare splits the training loader over (default: the
-    Accelerator's data-parallel ranks; 1 for a loader not prepared). Each must get a micro-batch."""
+    Accelerator's data-parallel ranks; 1 for a loader not prepared). Each must get a micro-batch,
+    unless trains=False: a run that only evaluates (train.py's --eval_only) reads no training batch."""
     from accelerate.state import AcceleratorState, is_initialized
 
     ranks = data_ranks or (data_parallel_size(AcceleratorState()) if is_initialized() else 1)
-    # drop_last: no batch in any epoch, a loop waiting for one for ever (train.py's --eval_only trains nothing)
-    if len(train) < cfg.micro_batch_size * ranks and not getattr(cfg, "eval_only", False):
+    # drop_last: no batch in any epoch, a loop waiting for one for ever
+    if trains and len(train) < cfg.micro_batch_size * ranks:
         packed = isinstance(train, PackedBlocks)
         with same_on_every_rank():
             raise ConfigError(

@@ -49,6 +49,7 @@ from common.files import write_json
 @dataclass
 class Options(config.AccumulationOptions, config.RecipeConfig):
     """The core options, and the number of micro-batches per optimizer step."""
+    check_order = (*config.RecipeConfig.check_order, config.AccumulationOptions)
 
 
 def as_float(norm) -> float:

@@ -58,9 +58,9 @@ def set_clipping(ds_config: dict, max_grad_norm: float) -> None:
     elif float(clip) != max_grad_norm:
         raise config.ConfigError(f"the DeepSpeed config clips gradients at {clip} but --max_grad_norm is "
                                  f'{max_grad_norm}; set gradient_clipping to "auto" in the JSON or pass the same value')
+
+
 # End new
-
-
 def main(argv=None):
     cfg = config.parse(Options, argv, recipe=Path(__file__).name)
     modeling.check_seq_len(cfg)

@@ -43,6 +43,7 @@ from common.files import write_json
 @dataclass
 class Options(config.Fp16Options, config.RecipeConfig):
     """The core options, and the GradScaler's initial scale."""
+    check_order = (*config.RecipeConfig.check_order, config.Fp16Options)
 # End new
 
 

@@ -64,9 +64,9 @@ def fsdp_policies() -> dict:
     if guard.flag("FSDP_OFFLOAD_PARAMS"):
         policies["cpu_offload"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     return policies
+
+
 # End new
-
-
 def main(argv=None):
     cfg = config.parse(Options, argv, recipe=Path(__file__).name)
     modeling.check_seq_len(cfg)

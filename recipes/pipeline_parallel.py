@@ -56,6 +56,7 @@ from train_extras.parallel.pipeline import Pipeline, check_pipeline_layout
 @dataclass
 class Options(config.AccumulationOptions, config.RecipeConfig):
     """The core options, and the micro-batches per step (--gradient_accumulation_steps)."""
+    check_order = (*config.RecipeConfig.check_order, config.AccumulationOptions)
 # End new
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 from common.config import ConfigError
-from train_extras.options import TrainConfig
+from train_extras.options import FineTuneOptions, TrainConfig
 from conftest import parse_train
 
 
@@ -103,3 +103,48 @@ def test_option_errors_are_the_same_on_every_rank():
     with pytest.raises(ConfigError) as err:
         parse_train(["--bogus", "1"])
     assert err.value.every_rank
+
+
+def test_each_config_runs_the_checks_it_lists_once_each_in_that_order(monkeypatch):
+    """The order of the checks is written out (check_order), not implied by the order of the bases."""
+    from common import config
+    from conftest import ROOT, load_recipe
+
+    recipes = sorted(p.stem for p in (ROOT / "recipes").glob("*.py") if p.stem not in ("train", "generate"))
+    for options in [config.RecipeConfig, TrainConfig, *(load_recipe(name).Options for name in recipes)]:
+        groups = [base for base in options.__mro__ if "check" in vars(base)]
+        assert sorted(map(id, options.check_order)) == sorted(map(id, groups)), options  # each group once
+    order = list(TrainConfig.check_order)
+    assert order.index(FineTuneOptions) < order.index(config.OptimizerOptions)  # it sets warmup_steps first
+    ran = []
+
+    def recorded(group):
+        def check(self):
+            ran.append(group.__name__)
+            original(self)
+        original = group.check
+        return check
+
+    for group in order:
+        monkeypatch.setattr(group, "check", recorded(group))
+    TrainConfig()
+    assert ran == [group.__name__ for group in order]
+
+
+def test_a_group_missing_from_check_order_or_listed_but_not_a_base_is_refused_at_class_creation():
+    from dataclasses import dataclass
+
+    from common import config
+
+    with pytest.raises(TypeError, match="Forgot.check_order: Fp16Options is missing"):
+        @dataclass
+        class Forgot(config.Fp16Options, config.RecipeConfig):
+            pass
+    with pytest.raises(TypeError, match="NotABase.check_order: Fp16Options is not a base with a check"):
+        @dataclass
+        class NotABase(config.RecipeConfig):
+            check_order = (*config.RecipeConfig.check_order, config.Fp16Options)
+    with pytest.raises(TypeError, match="Twice.check_order: DataOptions is listed twice"):
+        @dataclass
+        class Twice(config.RecipeConfig):
+            check_order = (*config.RecipeConfig.check_order, config.DataOptions)

@@ -213,8 +213,8 @@ def test_warmup_ratio_is_a_fraction_of_the_run():
     assert parse(TrainConfig, ["--max_steps", "300", "--warmup_ratio", "0.05"], recipe="train.py").warmup_steps == 15
 
 
-def stream_of(cfg, tokenizer):
-    train, _ = data.build_datasets(cfg, tokenizer)
+def stream_of(cfg, tokenizer, num_proc=None):
+    train, _ = data.build_datasets(cfg, tokenizer, num_proc)
     return np.asarray(train.blocks).reshape(-1)
 
 
@@ -267,7 +267,8 @@ def test_two_tokenising_processes_give_the_same_stream(tmp_path, monkeypatch):
         monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / f"cache_{num_proc}")
         cfg = parse(TrainConfig, ["--data_files", str(corpus), "--txt_documents", "line", "--seq_len", "64",
                                   *(["--dataset_num_proc", str(num_proc)] if num_proc else [])], recipe="train.py")
-        hashes[num_proc] = hashlib.sha256(stream_of(cfg, data.build_tokenizer(cfg)).tobytes()).hexdigest()
+        stream = stream_of(cfg, data.build_tokenizer(cfg), cfg.dataset_num_proc)
+        hashes[num_proc] = hashlib.sha256(stream.tobytes()).hexdigest()
     assert hashes[None] == hashes[2]
     assert list((tmp_path / "cache_2").rglob("*_00001_of_00002.arrow"))  # two processes really tokenised
 
@@ -363,6 +364,7 @@ def test_training_data_that_cannot_fill_a_micro_batch_on_every_rank_is_refused(h
                               "rank(s) needs 8 (--micro_batch_size 8 x 1): lower --micro_batch_size or --seq_len, "
                               "or give more data")
     assert err.value.every_rank
+    assert data.build_loaders(cfg, train, eval_set, pin_memory=False, trains=False)  # evaluates only (--eval_only)
     fits = TrainConfig(data_files=[str(small)], eval_data_files=[str(held_out)], seq_len=64, micro_batch_size=7)
     assert len(data.build_loaders(fits, train, eval_set, pin_memory=False)[0]) == 1
     with pytest.raises(ConfigError, match="has 7 blocks .* on each of 2 data-parallel rank.* needs 8 "):

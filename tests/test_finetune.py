@@ -206,21 +206,22 @@ def test_a_streamed_checkpoint_resumes_only_as_it_was(streamed_run, stream_args)
     from accelerate.utils import DistributedType
 
     from common.config import ConfigError
-    from train_extras.resume.checkpoint import check_compatible
+    from train_extras.resume.checkpoint import check_compatible, verify
 
     step_10 = str(streamed_run.output_dir / "checkpoints" / "step_10")
     ranks = {n: SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, num_processes=n) for n in (1, 2)}
     resume = parse(TrainConfig, stream_args + ["--resume_from_checkpoint", step_10], recipe="train.py")
-    assert check_compatible(step_10, resume, ranks[2])["step"] == 10  # as it was
+    meta = verify(step_10, contents=False)
+    assert check_compatible(step_10, resume, ranks[2], meta)["step"] == 10  # as it was
     with pytest.raises(ConfigError, match="a streamed run resumes only as it was"):
-        check_compatible(step_10, resume, ranks[1])
+        check_compatible(step_10, resume, ranks[1], meta)
     other_seed = parse(TrainConfig, stream_args + ["--resume_from_checkpoint", step_10, "--seed", "7"],
                        recipe="train.py")
     with pytest.raises(ConfigError, match="streamed other data: --seed differ"):
-        check_compatible(step_10, other_seed, ranks[2])
+        check_compatible(step_10, other_seed, ranks[2], meta)
     evaluate = parse(TrainConfig, stream_args + ["--resume_from_checkpoint", step_10, "--eval_only",
                                                  "--micro_batch_size", "4"], recipe="train.py")
-    assert check_compatible(step_10, evaluate, ranks[1])["step"] == 10
+    assert check_compatible(step_10, evaluate, ranks[1], meta)["step"] == 10
 
 
 def test_eval_only_with_no_checkpoint_to_find_is_one_line(tmp_path, hf_home):

@@ -135,3 +135,60 @@ def test_no_file_cites_something_outside_the_repository():
             continue
         for outside in ("FACTS" + ".md", "../" + "shared/"):  # (spelled apart: this file must not match itself)
             assert outside not in text, (path, outside)
+
+
+def function_lengths(path) -> dict[str, int]:
+    """Lines of every function and method in a file, by qualified name."""
+    lengths = {}
+
+    def walk(node, prefix=""):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    lengths[name] = child.end_lineno - child.lineno + 1
+                walk(child, f"{name}.")
+
+    walk(ast.parse(path.read_text()))
+    return lengths
+
+
+def test_the_recipes_read_as_short_named_steps():
+    """train.py's main is its data flow in named steps (<= 80 lines), no recipe function passes
+    120 lines, and train.py's lines are mostly under 100 characters (the documented launch lines
+    of its docstring, run as written by test_documented_commands.py, may be longer)."""
+    train = ROOT / "recipes" / "train.py"
+    assert function_lengths(train)["main"] <= 80
+    for recipe in sorted((ROOT / "recipes").glob("*.py")):
+        long = {name: n for name, n in function_lengths(recipe).items() if n > 120}
+        assert not long, (recipe.name, long)
+    lines = train.read_text().splitlines()
+    assert sum(len(line) > 100 for line in lines) <= 0.02 * len(lines)
+
+
+def test_train_extras_has_no_import_cycles():
+    """train_extras/ by capability (resume/, observe/, parallel/): its modules import one another
+    at module level without a cycle, and nothing from recipes/, tools/ or tests/."""
+    root = ROOT / "train_extras"
+    files = {".".join(("train_extras", *p.relative_to(root).with_suffix("").parts)): p for p in root.rglob("*.py")}
+    modules = {name.removesuffix(".__init__") for name in files}
+    graph = {}
+    for name, path in files.items():
+        imported = set()
+        for node in ast.parse(path.read_text()).body:  # module level only: a function's import runs later
+            if isinstance(node, ast.ImportFrom) and node.module:
+                imported |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+            elif isinstance(node, ast.Import):
+                imported |= {a.name for a in node.names}
+        assert not {n for n in imported if n.split(".")[0] in ("recipes", "tools", "tests")}, path
+        graph[name.removesuffix(".__init__")] = {n for n in imported if n in modules} - {name}
+
+    def visit(module, path):
+        assert module not in path, f"import cycle: {' -> '.join(path + [module])}"
+        for child in graph.get(module, ()):
+            visit(child, path + [module])
+
+    for module in graph:
+        visit(module, [])
+    assert {"train_extras.resume.checkpoint", "train_extras.observe.run_record",
+            "train_extras.parallel.fsdp_settings", "train_extras.parallel.deepspeed_settings"} <= modules

@@ -158,7 +158,7 @@ def test_a_second_run_into_a_live_runs_folder_exits_2_and_writes_nothing_and_a_k
 def test_the_lock_says_who_holds_it_and_is_free_once_its_holder_is_gone(tmp_path):
     folder = tmp_path / "run"
     holder = subprocess.Popen(  # another process holding the folder, as a live run does
-        [sys.executable, "-c", "import sys, time; sys.path[:0] = sys.argv[2:]; from train_extras import output_dir; "
+        [sys.executable, "-c", "import sys, time; sys.path[:0] = sys.argv[2:]; from train_extras.resume import output_dir; "
          "assert output_dir._lock(__import__('pathlib').Path(sys.argv[1])) is None; print('held', flush=True); "
          "time.sleep(600)", str(folder), str(Path(__file__).parents[1])],
         stdout=subprocess.PIPE, text=True)
@@ -205,14 +205,25 @@ def test_a_missing_local_model_folder_is_named_as_such(path, tmp_path, capsys):
 @pytest.mark.parametrize("sizes, world, needed", [({"TP": "2"}, "1", 2), ({"TP": "4"}, "2", 4),
                                                   ({"DP_SHARD": "2", "TP": "2"}, "2", 4),
                                                   ({"DP_REPLICATE": "2", "DP_SHARD": "2"}, "8", 4)])
-def test_a_process_count_the_parallelism_sizes_do_not_allow_is_one_line_before_the_mesh(sizes, world, needed):
+def test_a_process_count_the_parallelism_sizes_do_not_allow_is_one_line_before_the_mesh(sizes, world, needed,
+                                                                                         monkeypatch):
+    def launched_with(env):  # the environment accelerate launch gives the recipe: env's variables of these alone
+        for name in [n for n in os.environ if n.startswith(("ACCELERATE_USE_PARALLELISM_CONFIG", "PARALLELISM_CONFIG_",
+                                                                 "WORLD_SIZE"))]:
+            monkeypatch.delenv(name)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+
     env = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "WORLD_SIZE": world,
            **{f"PARALLELISM_CONFIG_{k}_SIZE": v for k, v in sizes.items()}}
+    launched_with(env)
     with pytest.raises(ConfigError, match=f"needs {needed} processes; this launch has {world}: launch with "
                                           f"--num_processes {needed}"):
-        tensor_parallel.check_launch_sizes("train.py", env)
-    tensor_parallel.check_launch_sizes("train.py", {**env, "WORLD_SIZE": str(needed)})  # the right count: fine
-    tensor_parallel.check_launch_sizes("train.py", {"WORLD_SIZE": world})  # no parallelism_config: nothing to check
+        tensor_parallel.check_launch_sizes("train.py")
+    launched_with({**env, "WORLD_SIZE": str(needed)})
+    tensor_parallel.check_launch_sizes("train.py")  # the right count: fine
+    launched_with({"WORLD_SIZE": world})
+    tensor_parallel.check_launch_sizes("train.py")  # no parallelism_config: nothing to check
 
 
 def test_tp_yaml_with_the_wrong_process_count_is_one_line(tmp_path, hf_home):

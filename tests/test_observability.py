@@ -4,6 +4,7 @@ secrets kept out of them, and --compile against eager."""
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 
 import pytest
@@ -99,10 +100,14 @@ def test_no_tracker_file_holds_a_secret(tracked_run):
     assert SECRETS["run_name"] not in tracked_run.proc.stdout  # the printed options are redacted too
 
 
-def test_redaction_rules():
+def test_redaction_rules(monkeypatch):
     env = {"HF_TOKEN": "hf_abcdefghijklmnopqrstuvwx", "MY_DB_PASSWORD": "correct-horse", "PATH": "/usr/bin:/bin",
            "SHORT_TOKEN": "abc"}
-    secrets = tracking.secret_env_values(env)
+    for name in [name for name in os.environ if tracking.SECRET_NAME.search(name)]:  # the environment is env alone
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    secrets = tracking.secret_env_values()
     assert secrets == ["hf_abcdefghijklmnopqrstuvwx", "correct-horse"]  # PATH is not a secret; "abc" too short
     config = {
         "api_key": "anything at all", "hub_token": None, "lr": 3e-3,

@@ -394,9 +394,10 @@ def test_a_zero3_checkpoint_on_another_world_size_says_what_to_run(two_process_r
     full = two_process_runs("train.py/deepspeed_zero3_offload.yaml")
     step_30 = full.output_dir / "checkpoints" / "step_30"
     cfg = parse_train(DEBUG_ARGS + ["--micro_batch_size", "8"])
+    meta = checkpoint.verify(step_30, contents=False)
     with pytest.raises(ConfigError, match=r"saved by 2 DeepSpeed ranks; this run has 1.*resume with 2 processes, "
                                           r"or export its weights .*--max_steps 30"):
-        checkpoint.check_compatible(step_30, cfg, fake_accelerator(DistributedType.DEEPSPEED, 1))
+        checkpoint.check_compatible(step_30, cfg, fake_accelerator(DistributedType.DEEPSPEED, 1), meta)
 
 
 def test_a_world_size_change_inside_a_micro_step_is_refused_before_any_work(tmp_path):
@@ -411,7 +412,8 @@ def test_a_world_size_change_inside_a_micro_step_is_refused_before_any_work(tmp_
     (tmp_path / "checkpoint.json").write_text(json.dumps(meta))
     cfg = TrainConfig(preset="debug", micro_batch_size=2, gradient_accumulation_steps=1)
     with pytest.raises(ConfigError, match="8 samples into an epoch.*micro-steps of 16"):
-        checkpoint.check_compatible(tmp_path, cfg, fake_accelerator(DistributedType.FSDP, 8))
+        checkpoint.check_compatible(tmp_path, cfg, fake_accelerator(DistributedType.FSDP, 8),
+                                    checkpoint.verify(tmp_path, contents=False))
 
 
 def test_a_run_into_a_folder_with_newer_checkpoints_is_refused(two_checkpoints):
@@ -424,8 +426,9 @@ def test_a_run_into_a_folder_with_newer_checkpoints_is_refused(two_checkpoints):
 def test_a_change_of_global_batch_is_refused(two_process_runs):
     step_30 = two_process_runs("train.py/ddp.yaml").output_dir / "checkpoints" / "step_30"
     cfg = parse_train(DEBUG_ARGS + ["--micro_batch_size", "4"])  # 4 x 1 rank: half the saved batch of 8
+    meta = checkpoint.verify(step_30, contents=False)
     with pytest.raises(ConfigError, match="global batch of 8 sequences; this run has 4"):
-        checkpoint.check_compatible(step_30, cfg, fake_accelerator(DistributedType.NO, 1))
+        checkpoint.check_compatible(step_30, cfg, fake_accelerator(DistributedType.NO, 1), meta)
 
 
 # ---- 5. damaged checkpoints ----

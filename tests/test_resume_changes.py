@@ -35,16 +35,18 @@ def step_30(run: Run):
 ])
 def test_a_change_of_what_is_trained_is_refused_in_one_line(change, named, train_run):
     cfg = parse_train(TRAIN_ARGS + change + ["--resume_from_checkpoint", str(step_30(train_run))])
+    meta = checkpoint.verify(step_30(train_run), contents=False)
     with pytest.raises(ConfigError) as refused:
-        checkpoint.check_compatible(step_30(train_run), cfg, SINGLE)
+        checkpoint.check_compatible(step_30(train_run), cfg, SINGLE, meta)
     assert named in str(refused.value) and "\n" not in str(refused.value), refused.value
 
 
 def test_another_model_or_tokenizer_is_refused(train_run, initial_model):
+    meta = checkpoint.verify(step_30(train_run), contents=False)
     for flag in ("--model_name_or_path", "--tokenizer_name_or_path"):
         cfg = parse_train(TRAIN_ARGS + [flag, str(initial_model)])
         with pytest.raises(ConfigError, match=f"{flag} None \\(this run: '{initial_model}'\\)"):
-            checkpoint.check_compatible(step_30(train_run), cfg, SINGLE)
+            checkpoint.check_compatible(step_30(train_run), cfg, SINGLE, meta)
 
 
 @pytest.mark.parametrize("edit", ["micro_batches_done", "step", "drop_checksum"])
@@ -120,15 +122,16 @@ def test_the_same_options_on_other_data_are_refused(tmp_path, train_run):
         checkpoint.check_compatible(tmp_path, cfg, SINGLE, meta)
     # the same file named another way is the same data
     relative = parse_train(TRAIN_ARGS + ["--data_files", os.path.relpath(corpus_file(2000))])
-    checkpoint.check_compatible(step_30(train_run), relative, SINGLE)
+    checkpoint.check_compatible(step_30(train_run), relative, SINGLE, saved)
 
 
 def test_a_max_steps_below_the_checkpoint_is_refused(train_run):
     cfg = parse_train(TRAIN_ARGS + ["--max_steps", "20", "--warmup_steps", "2"])
+    meta = checkpoint.verify(step_30(train_run), contents=False)
     with pytest.raises(ConfigError, match="is at step 30, past --max_steps 20: nothing to train; to export it, "
                                           "resume with --max_steps 30"):
-        checkpoint.check_compatible(step_30(train_run), cfg, SINGLE)
-    checkpoint.check_compatible(step_30(train_run), parse_train(TRAIN_ARGS + ["--max_steps", "30"]), SINGLE)
+        checkpoint.check_compatible(step_30(train_run), cfg, SINGLE, meta)
+    checkpoint.check_compatible(step_30(train_run), parse_train(TRAIN_ARGS + ["--max_steps", "30"]), SINGLE, meta)
 
 
 def test_a_checkpoint_from_before_its_own_checksum_still_resumes(train_run, tmp_path):
@@ -138,4 +141,4 @@ def test_a_checkpoint_from_before_its_own_checksum_still_resumes(train_run, tmp_
     old = {k: v for k, v in meta.items() if k not in ("metadata_checksum", "data")}
     (copy / "checkpoint.json").write_text(json.dumps(old, indent=1))
     assert checkpoint.verify(copy)["step"] == 30
-    checkpoint.check_compatible(copy, parse_train(TRAIN_ARGS), SINGLE)
+    checkpoint.check_compatible(copy, parse_train(TRAIN_ARGS), SINGLE, checkpoint.verify(copy, contents=False))

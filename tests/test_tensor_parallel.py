@@ -13,7 +13,7 @@ from accelerate.parallelism_config import ParallelismConfig
 from common.config import ConfigError, data_parallel_size
 from common.model import _split_by_mesh, model_config
 from train_extras.parallel import tensor_parallel
-from train_extras.resume.checkpoint import check_compatible
+from train_extras.resume.checkpoint import check_compatible, verify
 from train_extras.options import TrainConfig
 from conftest import (CORE_DEBUG_ARGS, DEBUG_ARGS, HARNESS, TRAIN_ARGS, TWO_PROCESS_LAUNCH, Run, check_exact_resume,
                       check_export_reproduces_model, check_loss_goes_down, launch)
@@ -214,13 +214,14 @@ def test_a_checkpoint_resumes_only_on_its_own_mesh(tp_runs):
     full = tp_runs("train.py/tp.yaml")
     step_half = full.output_dir / "checkpoints" / "step_30"
     cfg = TrainConfig(**{k: v for k, v in full.summary["setup"]["options"].items()})
-    check_compatible(step_half, cfg, stand_in())  # its own mesh: fine
+    meta = verify(step_half, contents=False)
+    check_compatible(step_half, cfg, stand_in(), meta)  # its own mesh: fine
     for other, seen in ((stand_in(tp=2, dp_shard=2), "this run has 2 x 2"),
                         (StandIn(parallelism_config=None, num_processes=2,
                                  distributed_type=SimpleNamespace(value="MULTI_GPU")),
                          "this run has 2 x 1")):
         with pytest.raises(ConfigError, match=f"saved with 1 data-parallel x 2 tensor-parallel ranks; {seen}"):
-            check_compatible(step_half, cfg, other)
+            check_compatible(step_half, cfg, other, meta)
     assert data_parallel_size(stand_in(tp=2, dp_shard=2)) == 2
 
 

@@ -6,7 +6,7 @@ the default process group that wait is a collective bounded by --collective_time
 a dead rank within minutes), so a corpus that takes longer to tokenise killed the job before it
 trained. The wait here is a barrier in a gloo group of its own whose timeout is --data_timeout.
 
-Streaming (docs/data.md#streaming). Each rank reads its own part of the source (`datasets`'
+Streaming (docs/data.md#data-at-scale). Each rank reads its own part of the source (`datasets`'
 streaming and `split_dataset_by_node`: whole shards per rank when their number divides by the world
 size, else every world_size-th document), shuffled in a buffer (seed + epoch), tokenises it as it
 goes and packs it into blocks of seq_len + 1 tokens as the packed datasets do. A pass over a rank's
@@ -59,8 +59,8 @@ def main_process_first(accelerator, timeout_s: int):
 
 def held_out_set(cfg, tokenizer) -> data.PackedBlocks:
     """The held-out blocks of a streamed run: its own split or files, tokenised up front (they are small)."""
-    return data.PackedBlocks(data.tokenize_and_stream(data.load_documents(cfg, held_out=True), tokenizer, "eval", cfg),
-                             cfg.seq_len)
+    docs = data.load_documents(cfg, held_out=True)
+    return data.PackedBlocks(data.tokenize_and_stream(docs, tokenizer, "eval", cfg, cfg.dataset_num_proc), cfg.seq_len)
 
 
 class StreamedBlocks(IterableDataset):

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from common.config import AccumulationOptions, ConfigError, Fp16Options, OptimizerOptions, RecipeConfig
+from common.config import (AccumulationOptions, ConfigError, DataOptions, Fp16Options, ModelOptions, OptimizerOptions,
+                           RecipeConfig)
 
 
 @dataclass
@@ -107,7 +108,7 @@ class FineTuneOptions:
                                          "--resume_from_checkpoint on the held-out data, print loss and perplexity, "
                                          "and stop: no training, no export."})
 
-    def check(self):  # runs before OptimizerOptions' (TrainConfig lists this group last): it sets warmup_steps
+    def check(self):  # before OptimizerOptions' (TrainConfig.check_order): it sets warmup_steps
         if self.warmup_ratio is not None:
             if self.warmup_steps != OptimizerOptions.warmup_steps:  # (an explicit default cannot be told apart)
                 raise ConfigError("give --warmup_steps or --warmup_ratio, not both (a config file's warmup_ratio "
@@ -147,4 +148,7 @@ class DataAtScaleOptions:
 @dataclass
 class TrainConfig(CompileOptions, SampleOptions, TrackingOptions, CheckpointOptions, Fp16Options,
                   AccumulationOptions, RecipeConfig, DataAtScaleOptions, FineTuneOptions):
-    """Every option of train.py."""
+    """Every option of train.py: --help lists the groups from the last base to the first."""
+    # FineTuneOptions' check first: it sets --warmup_steps from --warmup_ratio, which OptimizerOptions' checks.
+    check_order = (FineTuneOptions, DataAtScaleOptions, ModelOptions, DataOptions, OptimizerOptions,
+                   AccumulationOptions, Fp16Options, CheckpointOptions, TrackingOptions, SampleOptions)

@@ -17,7 +17,8 @@ def text_config(config):
 
 
 def dimensions(config) -> dict:
-    """Layers, width, heads and head size under the names every family maps them to.
+    """Layers, heads and head size (the width over the heads where a family has no head_dim), read
+    under the names every family maps them to.
 
     transformers' `attribute_map` already turns most families' own names into these (GPT-2's
     n_layer, n_embd, n_head). A family whose config lacks one of them is refused with one line."""
@@ -27,8 +28,7 @@ def dimensions(config) -> dict:
         raise ConfigError(f"{type(text).__name__} has no {', '.join(missing)}: cannot estimate FLOPs per token "
                           "for this model family")
     heads = text.num_attention_heads
-    return {"layers": text.num_hidden_layers, "hidden": text.hidden_size, "heads": heads,
-            "kv_heads": getattr(text, "num_key_value_heads", None) or heads,
+    return {"layers": text.num_hidden_layers, "heads": heads,
             "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads}
 
 

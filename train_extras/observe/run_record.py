@@ -1,7 +1,16 @@
-"""What a run leaves as it goes: train.py's IntervalLog (per-step numbers fetched once per log
-interval into run_summary.json, the trackers, `<output_dir>/metrics.jsonl` and the bar or a plain
-line), the metrics file itself (the history, crash-proof) and plain log lines when the output is a
-file, not a terminal, as under a scheduler.
+"""The run's record, with one owner: train.py hands a `RunRecord` each step's facts, each eval and
+each sample, and it writes them to every place a run is read from: `<output_dir>/run_summary.json`
+(what a user keeps; written at the end, or at a preemption), `<output_dir>/metrics.jsonl` (the
+history as it goes, crash-proof), the trackers of --report_to (through accelerate's log, after
+train_extras/observe/tracking.py removed secrets from the config) and the progress bar, or plain
+log lines when the output is a file, as under a scheduler.
+
+run_summary.json: recipe, setup (the resolved launch and options), model (parameters, FLOPs per
+token, compiled regions), peak_flops_per_device, data (blocks, the held-out bigram entropy),
+losses (per step), eval, samples, throughput (per log interval, with memory per rank),
+tracker_run, resumed_from (a resumed run), skipped_steps, then either preempted and tokens_seen, or
+tokens_seen, export, peak_memory_per_rank, tokens_per_s_median and mfu_median. --eval_only writes
+eval_summary.json instead, up to resumed_from plus its eval.
 
 metrics.jsonl: one JSON object per line, appended and flushed at every log interval and every
 eval, so a run killed without a tracker still leaves its loss curve (run_summary.json stays the
@@ -34,10 +43,12 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from train_extras.observe import metrics
+from common.files import write_json
+from train_extras.observe import metrics, tracking
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -136,30 +147,90 @@ def now() -> float:
     return round(time.time(), 3)
 
 
-class IntervalLog:
-    """Per-step numbers, kept on the device and fetched once per log interval (the one sync that
-    also makes the interval's timing honest), then written to run_summary.json, metrics.jsonl, the
-    trackers and the progress bar (or a plain line when the output is a file: train_extras/py),
-    with throughput, MFU, memory per rank and the ETA."""
+class RunRecord:
+    """Everything a run records, written by this one object (main process for files and trackers;
+    every rank calls every method, since some gather). Per-step numbers stay on the device and are
+    fetched once per log interval (the one sync that also makes the interval's timing honest)."""
 
-    def __init__(self, accelerator, cfg, summary, record, tokens_per_step, flops_per_token, peak_tflops, start_step):
-        self.accelerator, self.cfg, self.summary, self.record = accelerator, cfg, summary, record
-        self.tokens_per_step, self.flops_per_token, self.peak_tflops = tokens_per_step, flops_per_token, peak_tflops
-        self.pending, self.step_times, self.interval_steps = [], [], 0
+    def __init__(self, accelerator, cfg, setup: dict, *, peak: dict, data: dict, tokens_per_step: int,
+                 flops_per_token: float):
+        self.accelerator, self.cfg, self.main = accelerator, cfg, accelerator.is_main_process
+        self.tokens_per_step, self.flops_per_token, self.peak_tflops = tokens_per_step, flops_per_token, peak["tflops"]
+        self.summary = {"recipe": "train.py", "setup": setup, "model": None, "peak_flops_per_device": peak,
+                        "data": data, "losses": [], "eval": [], "samples": [], "throughput": []}
+        self.metrics = MetricsFile(cfg.output_dir, None, enabled=False)  # opened by open_metrics
+        self.pending, self.step_times, self.interval_steps, self.bar = [], [], 0, None
+
+    # ---- before training ----
+    def model(self, parameters: int, compiled_regions: dict) -> None:
+        self.summary["model"] = {"parameters": parameters, "flops_per_token": self.flops_per_token,
+                                 "compiled_regions": compiled_regions}
+
+    def start_trackers(self, resume_meta: dict | None) -> dict:
+        """The tracker run's identity (kept in every checkpoint) and, unless --eval_only, the
+        trackers: one tracker run across every restart of this output folder."""
+        identity = tracking.run_identity(self.cfg, resume_meta)
+        self.summary["tracker_run"] = identity
+        if not self.cfg.eval_only:
+            continued = resume_meta is not None and identity == resume_meta.get("tracker_run")
+            tracking.start(self.accelerator, self.cfg, self.summary["setup"], identity,
+                           resume_meta["step"] if continued else 0)
+        return identity
+
+    def resumed(self, path, meta: dict, changed: dict) -> None:
+        """Where the run goes on from, and the options it changed (they hold from its next step)."""
+        step = meta["step"]
+        self.summary["resumed_from"] = {"path": str(path), "step": step, "world_size": meta["setup"]["world_size"],
+                                        "changed": changed}
+        if self.main:
+            applied = "".join(f"; --{key} {old!r} -> {new!r}" for key, (old, new) in changed.items())
+            print(f"resumed from {path} at step {step}"
+                  + (f", with this run's settings from step {step + 1}{applied}"
+                     if changed and not self.cfg.eval_only else ""), flush=True)
+
+    def open_metrics(self, resumed_step: int | None) -> None:
+        """metrics.jsonl: a fresh run starts it anew, a resumed one goes on with it from its step."""
+        self.metrics = MetricsFile(self.cfg.output_dir, resumed_step, enabled=self.main)
+
+    # ---- evals and samples ----
+    def eval(self, step: int, result: dict) -> None:
+        self.summary["eval"].append({"step": step, **result})
+        self.accelerator.log({"eval/loss": result["loss"], "eval/perplexity": result["perplexity"]}, step=step)
+        self.metrics.write([{"kind": "eval", "step": step, **result, "time": now()}])
+        if self.main:
+            tqdm.write(f"step {step}: eval loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f}")
+
+    def sample(self, step: int, text: str) -> None:
+        prompt = self.cfg.sample_prompt
+        self.summary["samples"].append({"step": step, "prompt": prompt, "text": text})
+        if self.main:
+            tqdm.write(f"step {step}: sample ({self.cfg.sample_length} tokens from {prompt!r}):\n{text}\n")
+
+    def has_sample_at(self, step: int) -> bool:
+        return bool(self.summary["samples"]) and self.summary["samples"][-1]["step"] == step
+
+    # ---- training ----
+    @contextlib.contextmanager
+    def training(self, start_step: int):
+        """The bar and the interval clock for the loop; bar and metrics.jsonl are closed however it
+        ends (an error line printed after this starts on a line of its own)."""
+        self.plain = self.main and not draw_bar()
+        self.bar = tqdm(total=self.cfg.max_steps, initial=start_step, desc="train", disable=not self.main or self.plain)
         self.start = time.perf_counter()
-        self.plain = accelerator.is_main_process and not draw_bar()
-        self.bar = tqdm(total=cfg.max_steps, initial=start_step, desc="train",
-                        disable=not accelerator.is_main_process or self.plain)
+        try:
+            yield self
+        finally:
+            self.bar.close()
+            self.metrics.close()
 
-    def add(self, step, lr, loss, grad_norm, loss_scale):
-        """grad_norm: clip_grad_norm_'s result (a DTensor under FSDP2, a float under DeepSpeed, None
-        for a skipped step), kept on the device like the loss."""
+    def step(self, step: int, lr: float, loss: torch.Tensor, grad_norm, loss_scale: float | None) -> None:
+        """One optimizer step's facts. grad_norm: clip_grad_norm_'s result (a DTensor under FSDP2, a
+        float under DeepSpeed, None for a skipped step), kept on the device like the loss."""
         self.pending.append((step, lr, loss, metrics.as_tensor(grad_norm, loss.device), loss_scale))
 
-    def drain(self) -> list[dict]:
-        """Fetch the steps added since the last call (one host sync) into run_summary.json and the
-        trackers; returns their metrics.jsonl lines. Called at each log interval, and before an eval
-        so that its step comes after theirs everywhere (wandb drops a step logged after a later one)."""
+    def _drain(self) -> list[dict]:
+        """Fetch the steps given since the last call (one host sync) into run_summary.json and the
+        trackers; returns their metrics.jsonl lines."""
         if not self.pending:
             return []
         losses, norms = torch.stack([torch.stack([loss, norm]) for _, _, loss, norm, _ in self.pending]).T.tolist()
@@ -176,12 +247,15 @@ class IntervalLog:
         self.pending = []
         return lines
 
-    def record_steps(self):
-        """Before an eval: the steps so far into metrics.jsonl and the trackers."""
-        self.record.write(self.drain())
+    def steps_to_file(self) -> None:
+        """The steps so far into metrics.jsonl and the trackers: before an eval, so that its step
+        comes after theirs everywhere (wandb drops a step logged after a later one), and before a
+        fatal error."""
+        self.metrics.write(self._drain())
 
-    def flush(self, step):
-        lines = self.drain()
+    def interval(self, step: int) -> None:
+        """A log interval ends at `step`: throughput, MFU, memory per rank (a small gather), ETA."""
+        lines = self._drain()
         elapsed = time.perf_counter() - self.start
         self.start = time.perf_counter()  # what logging costs below counts in the next interval
         steps, self.interval_steps = self.interval_steps, 0
@@ -190,9 +264,9 @@ class IntervalLog:
             steps=steps, seconds=elapsed, tokens_per_step=self.tokens_per_step,
             world_size=self.accelerator.num_processes, flops_per_token=self.flops_per_token,
             peak_tflops_per_device=self.peak_tflops, steps_left=self.cfg.max_steps - step, step_times=self.step_times)
-        memory = metrics.peak_memory(self.accelerator)  # every rank's (a small gather per interval)
+        memory = metrics.peak_memory(self.accelerator)
         self.summary["throughput"].append({"step": step, **stats, "memory_per_rank": memory})
-        self.record.write(lines + [{"kind": "interval", "step": step, "steps": steps, **stats, "time": now()}])
+        self.metrics.write(lines + [{"kind": "interval", "step": step, "steps": steps, **stats, "time": now()}])
         if self.plain:
             print(plain_line(step, self.cfg.max_steps, stats=stats, **self.last), flush=True)
         self.accelerator.log({f"perf/{k}": v for k, v in stats.items() if v is not None}
@@ -205,11 +279,63 @@ class IntervalLog:
 
     @contextlib.contextmanager
     def paused(self):
-        """Time spent inside does not count towards the current interval."""
+        """Time spent inside (eval, checkpoint) is not training time: kept out of the interval's tokens/s."""
         t0 = time.perf_counter()
         yield
         self.start += time.perf_counter() - t0
 
-    def close(self):
-        self.bar.close()  # an error line after this starts on a line of its own
-        self.record.close()
+    def sync(self) -> None:
+        """With each checkpoint: metrics.jsonl up to it survives a crash of the machine too."""
+        self.metrics.sync()
+
+    # ---- the end ----
+    def _write(self, name: str) -> None:
+        if self.main:
+            write_json(f"{self.cfg.output_dir}/{name}", self.summary)
+
+    def skipped_steps(self, **counts: int) -> None:
+        """Steps the loop skipped, by cause (a NaN/inf loss, an fp16 overflow)."""
+        self.summary["skipped_steps"] = counts
+
+    def preempted(self, preempted: dict) -> None:
+        """The losses so far and where to go on from (no export of an unfinished model)."""
+        self.summary.update(preempted=preempted, tokens_seen=preempted["step"] * self.tokens_per_step)
+        self._write("run_summary.json")
+
+    def finished(self, export, start_step: int) -> None:
+        """run_summary.json of a finished run and its last line. Every rank: gathers peak memory."""
+        self.summary["tokens_seen"] = self.cfg.max_steps * self.tokens_per_step
+        if export is not None:
+            self.summary["export"] = str(export)
+        self.summary["peak_memory_per_rank"] = metrics.peak_memory(self.accelerator)
+        rates = [t["tokens_per_s"] for t in self.summary["throughput"]]
+        mfus = [t["mfu"] for t in self.summary["throughput"] if t["mfu"] is not None]
+        self.summary["tokens_per_s_median"] = float(np.median(rates)) if rates else None
+        self.summary["mfu_median"] = float(np.median(mfus)) if mfus else None
+        self._write("run_summary.json")
+        if self.main:
+            print(self.final_line(start_step), flush=True)
+
+    def final_line(self, start_step: int) -> str:
+        cfg, summary = self.cfg, self.summary
+        if not summary["throughput"]:  # resumed at max_steps: nothing trained, only exported
+            return f"done: no steps to run (resumed at step {start_step}) -> {cfg.output_dir}"
+        if summary["eval"]:
+            quality = (f"final eval loss {summary['eval'][-1]['loss']:.4f} (bigram entropy of held-out data "
+                       f"{summary['data']['eval_bigram_entropy']:.4f})")
+        else:
+            quality = f"last train loss {summary['losses'][-1]['loss']:.4f} (no eval: --eval_every 0)"
+        mfu = f", MFU {summary['mfu_median']:.1%}" if summary["mfu_median"] is not None else ""
+        return (f"done: {cfg.max_steps} steps, {quality}, median {summary['tokens_per_s_median']:,.0f} tokens/s{mfu}"
+                f" -> {cfg.output_dir}")
+
+    def evaluated_only(self, step: int, result: dict) -> None:
+        """--eval_only: the held-out loss into eval_summary.json (a training run's own record there
+        is left alone) and one line."""
+        self.summary["eval"].append({"step": step, **result})
+        self._write("eval_summary.json")
+        if self.main:
+            source = self.summary.get("resumed_from", {}).get("path") or self.cfg.model_name_or_path
+            print(f"eval only: {source}: held-out loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f} "
+                  f"({result['tokens']:,} tokens; bigram entropy {self.summary['data']['eval_bigram_entropy']:.4f})",
+                  flush=True)

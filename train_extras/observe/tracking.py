@@ -54,10 +54,9 @@ QUERY_SECRET = re.compile(r"((?:^|[?&;,\s])[\w.-]*(?:token(?!izer)|key|secret|pa
 BEARER = re.compile(r"((?:bearer|basic|token)\s+)[A-Za-z0-9._~+/=-]{8,}", re.IGNORECASE)
 
 
-def secret_env_values(environ=None) -> list[str]:
-    """Values of environment variables whose names name a secret (long enough to be one)."""
-    environ = os.environ if environ is None else environ
-    return sorted({v for k, v in environ.items() if SECRET_NAME.search(k) and len(v) >= 8}, key=len, reverse=True)
+def secret_env_values() -> list[str]:
+    """Values of environment variables whose names name a secret (long enough to be one), longest first."""
+    return sorted({v for k, v in os.environ.items() if SECRET_NAME.search(k) and len(v) >= 8}, key=len, reverse=True)
 
 
 def redact_text(text: str, env_secrets: list[str]) -> str:

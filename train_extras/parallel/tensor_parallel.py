@@ -57,16 +57,15 @@ SHARDED_STATE_DIR = "model_optimizer_dcp"  # inside a checkpoint folder
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "sp", "tp")  # accelerate's parallelism_config sizes
 
 
-def check_launch_sizes(recipe: str, environ=None) -> None:
+def check_launch_sizes(recipe: str) -> None:
     """Before the Accelerator builds its device mesh: the launch's process count must be the product
     of the config's parallelism_config sizes (otherwise torch stops inside accelerate with "Mesh
     should not be bigger than default world size", a traceback). accelerate launch passes the
     sizes as PARALLELISM_CONFIG_<DIM>_SIZE and the process count as WORLD_SIZE."""
-    environ = os.environ if environ is None else environ
-    if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
         return
-    sizes = {dim: int(environ.get(f"PARALLELISM_CONFIG_{dim.upper()}_SIZE", "1")) for dim in MESH_DIMS}
-    needed, launched = math.prod(sizes.values()), int(environ.get("WORLD_SIZE", "1"))
+    sizes = {dim: int(os.environ.get(f"PARALLELISM_CONFIG_{dim.upper()}_SIZE", "1")) for dim in MESH_DIMS}
+    needed, launched = math.prod(sizes.values()), int(os.environ.get("WORLD_SIZE", "1"))
     if needed != launched and min(sizes.values()) >= 1:
         shown = " x ".join(f"{dim}_size {n}" for dim, n in sizes.items() if n > 1)
         raise ConfigError(f"{recipe}: the launch config's parallelism_config ({shown}) needs {needed} processes; "

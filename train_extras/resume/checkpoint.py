@@ -13,7 +13,9 @@ renamed to `step_<N>` only when every rank has finished and checkpoint.json is c
 named step_<N> with a checkpoint.json is therefore always whole, whatever moment a crash hits;
 an old checkpoint is first renamed aside (`.step_<N>.deleting`) and only then removed, so a crash
 during rotation never leaves a half-deleted folder that looks complete. Leftovers of a crash are
-cleared by the next save. Requires the output folder on a filesystem every rank sees.
+cleared by the next save. A full disk or quota stops every rank with one line, before the save
+when the space is visibly short, else with the partial save removed; the complete checkpoints are
+kept. Requires the output folder on a filesystem every rank sees.
 
 Content checksums: every file's xxh3-128 digest is recorded in checkpoint.json as the save commits
 (read back from the page cache right after writing, split over the ranks and over threads), and
@@ -222,11 +224,10 @@ STREAM_IDENTITY = ("data_files", "dataset_name", "dataset_config", "dataset_spli
 
 
 @same_on_every_rank()  # every rank reads the same files and options
-def check_compatible(path: str | Path, cfg, accelerator, meta: dict | None = None) -> dict:
+def check_compatible(path: str | Path, cfg, accelerator, meta: dict) -> dict:
     """Refuse, before any heavy work, a checkpoint this run cannot continue: another model, another
     strategy, another global batch, or a world-size change the strategy cannot reshard. `meta`: its
-    checkpoint.json as resume_point verified it (else its sizes are checked here). Returns it."""
-    meta = meta or verify(path, contents=False)
+    checkpoint.json as resume_point verified it. Returns it."""
     meta_file = Path(path) / METADATA
     saved_cfg, saved_setup = meta.get("config", {}), meta.get("setup", {})
     saved_model = saved_cfg.get("model_name_or_path") or f"preset {saved_cfg.get('preset')!r}"
@@ -504,7 +505,8 @@ def _unless_disk_full(write, accelerator, root: Path, partial: Path, final: Path
 
 
 def load(accelerator, path: str | Path, optimizer, scheduler, cfg, model=None) -> None:
-    """Restore everything save_state wrote (call on every rank); checkpoint.json was read by check_compatible.
+    """Restore everything save_state wrote (call on every rank); checkpoint.json was verified by
+    resume_point and the run checked against it by check_compatible, before any work.
 
     A failure here (a file damaged in place, with its size intact) leaves the model half loaded:
     it becomes one error line naming the checkpoint and the run stops; it never trains on."""
