@@ -158,7 +158,8 @@ def test_a_second_run_into_a_live_runs_folder_exits_2_and_writes_nothing_and_a_k
 def test_the_lock_says_who_holds_it_and_is_free_once_its_holder_is_gone(tmp_path):
     folder = tmp_path / "run"
     holder = subprocess.Popen(  # another process holding the folder, as a live run does
-        [sys.executable, "-c", "import sys, time; sys.path[:0] = sys.argv[2:]; from train_extras.resume import output_dir; "
+        [sys.executable, "-c", "import sys, time; sys.path[:0] = sys.argv[2:]; "
+         "from train_extras.resume import output_dir; "
          "assert output_dir._lock(__import__('pathlib').Path(sys.argv[1])) is None; print('held', flush=True); "
          "time.sleep(600)", str(folder), str(Path(__file__).parents[1])],
         stdout=subprocess.PIPE, text=True)
