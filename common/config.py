@@ -63,7 +63,8 @@ class ModelOptions:
     model_name_or_path: str | None = opt(None, "Local folder or Hub id of a causal LM to start from (+ its tokenizer).")
     tokenizer_name_or_path: str | None = opt(None, "Tokenizer (AutoTokenizer). Default: the model's, else bytes.")
     gradient_checkpointing: bool = opt(False, "Recompute activations in backward: less memory, ~30%% more compute.")
-    attn_implementation: str = opt("sdpa", "Attention kernel (transformers' name): sdpa, eager, flash_attention_2...")
+    attn_implementation: str = opt("auto", "Attention kernel (transformers' name): auto (transformers' choice: sdpa "
+                                           "where the model has it, else eager), sdpa, eager, flash_attention_2...")
 
     def check(self):
         if self.model_name_or_path is None and self.preset not in PRESET_NAMES:

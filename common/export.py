@@ -40,7 +40,9 @@ def export_pretrained(accelerator, model, tokenizer, out_dir: str | Path, dtype:
     else:  # DDP/single: the weights as they are
         state_dict = unwrap(accelerator, model).state_dict()
     unwrapped = unwrap(accelerator, model)
-    state_dict = _without_tied_copies(unwrapped, state_dict)  # (ZeRO-3: None off rank 0, FSDP2: {})
+    # Only rank 0 writes. Elsewhere ZeRO-3 gives None, and save_pretrained would read the rank's own
+    # empty partitions instead (an MoE's fused experts, split back per expert: a crash).
+    state_dict = _without_tied_copies(unwrapped, state_dict) if accelerator.is_main_process else {}
     state_dict = state_dict and {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     # The tokenizer's special ids, not the architecture's defaults (a preset Llama says eos=2, which
     # is the byte tokenizer's <unk>): `generate` on the exported folder then stops where training did.

@@ -66,7 +66,8 @@ def build_model(cfg, vocab_size: int, dtype: torch.dtype = torch.float32) -> nn.
         # TF32 for fp32 matmuls on Ampere and later: several times faster, inputs rounded to a
         # 10-bit mantissa (fp32 accumulation). Under bf16 autocast most matmuls are bf16 anyway.
         torch.set_float32_matmul_precision("high")
-    kwargs = {"attn_implementation": cfg.attn_implementation, "dtype": dtype}
+    attention = None if cfg.attn_implementation == "auto" else cfg.attn_implementation  # None: transformers picks
+    kwargs = {"attn_implementation": attention, "dtype": dtype}
     try:
         if cfg.model_name_or_path:
             model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, **kwargs)
@@ -124,10 +125,12 @@ def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tens
     """Next-token cross-entropy. `labels` are already shifted (block[1:]), so we do not pass them
     to the model (Hugging Face models would shift them again). -100 marks ignored positions.
     Logits are upcast to fp32 for the softmax: bf16 log-probs lose ~3 significant digits."""
-    logits = model(input_ids=input_ids).logits
-    return nn.functional.cross_entropy(
-        logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100, reduction=reduction
-    )
+    return token_loss(model(input_ids=input_ids).logits, labels, reduction)
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1),
+                                       ignore_index=-100, reduction=reduction)
 
 
 def build_scheduler(optimizer, cfg):

@@ -48,7 +48,7 @@ from accelerate.utils import gather_object
 
 from common import model as modeling
 from common.files import write_json
-from train_extras.parallel.pipeline import Pipeline, check_pipeline_layout
+from train_extras.parallel.pipeline import Pipeline, check_micro_batches, check_pipeline_layout
 # End new
 
 
@@ -79,6 +79,7 @@ def main(argv=None):
     if getattr(model_cfg, "tie_word_embeddings", False):
         raise config.ConfigError(f"{Path(__file__).name}: tied embeddings would span the first and the last stage")
     check_pipeline_layout(model_cfg, Path(__file__).name)
+    check_micro_batches(micro_batches, accelerator.num_processes, Path(__file__).name)
     # End new
     if accelerator.mixed_precision == "fp16":
         raise config.ConfigError(f"{Path(__file__).name} does not handle fp16 loss scaling; use fp16_scaler.py")

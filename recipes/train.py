@@ -52,7 +52,7 @@ from accelerate.utils import (DistributedType, GradientAccumulationPlugin, GradS
 from common import config, data, guard
 from common import model as modeling
 from common.export import export_pretrained
-from train_extras import data_at_scale
+from train_extras import data_at_scale, moe
 from train_extras.observe import flops, metrics, run_record
 from train_extras.observe.run_record import RunRecord
 from train_extras.observe.sampling import sample_text
@@ -69,15 +69,10 @@ def main(argv=None):
     set_seed(cfg.seed)  # the same seed on every rank: identical initial weights everywhere
 
     tokenizer = data.build_tokenizer(cfg)
-    model_cfg = modeling.model_config(cfg, len(tokenizer))
-    # The mesh parallelism_config asks for, as it runs: {"dp_shard": M, "tp": N}, or None.
-    tp_layout = tensor_parallel.layout(accelerator)
-    tensor_parallel.check(accelerator, cfg, model_cfg, "train.py")
-    flops_per_token = flops.flops_per_token(model_cfg, cfg.seq_len)
-
-    train_data = prepare_data(cfg, accelerator, tokenizer, tp_layout, resume_path, resume_meta)
-    record = start_record(cfg, accelerator, train_data, flops_per_token)
-    run = build(cfg, accelerator, tokenizer, train_data, tp_layout, record)
+    facts = model_facts(cfg, accelerator, len(tokenizer))  # from its config: no weights yet
+    train_data = prepare_data(cfg, accelerator, tokenizer, facts, resume_path, resume_meta)
+    record = start_record(cfg, accelerator, train_data, facts)
+    run = build(cfg, accelerator, tokenizer, train_data, facts, record)
     run.saved["tracker_run"] = record.start_trackers(resume_meta)
     start = restore(run, record, resume_path, resume_meta)
     if cfg.eval_only:  # the model as it is, on the held-out data: nothing trains or is saved
@@ -166,6 +161,30 @@ def resume_point(cfg, accelerator):
 
 
 @dataclasses.dataclass
+class ModelFacts:
+    tp_layout: dict | None  # the mesh parallelism_config asks for: {"dp_shard": M, "tp": N}
+    flops_per_token: float  # from the parameters a token goes through (MoE: its top-k experts')
+    inactive_parameters: int  # MoE: the routed experts' weights a token does not go through
+    route: dict | None  # a mixture of experts: experts, top-k, the router loss's weight
+    attention: str  # the attention kernel that runs (auto: the one transformers picks)
+
+
+def model_facts(cfg, accelerator, vocab_size: int) -> ModelFacts:
+    """What the model is, read from its config and its class on the meta device, with the checks
+    that need it (the mesh, the tensor-parallel plan, the router option), before the data."""
+    model_cfg = modeling.model_config(cfg, vocab_size)
+    tensor_parallel.check(accelerator, cfg, model_cfg, "train.py")
+    attention = cfg.attn_implementation
+    if attention == "auto":
+        attention = flops.meta_model(model_cfg).config._attn_implementation
+    counts = flops.parameter_counts(model_cfg)
+    inactive = counts["total"] - counts["active"]
+    flops_per_token = flops.flops_per_token(model_cfg, cfg.seq_len)
+    return ModelFacts(tensor_parallel.layout(accelerator), flops_per_token, inactive,
+                      moe.route_for(cfg, model_cfg), attention)
+
+
+@dataclasses.dataclass
 class TrainData:
     train_set: object
     eval_set: object
@@ -174,10 +193,11 @@ class TrainData:
     identity: dict  # what the data options resolved to: kept in checkpoints, checked on resume
 
 
-def prepare_data(cfg, accelerator, tokenizer, tp_layout, resume_path, resume_meta) -> TrainData:
+def prepare_data(cfg, accelerator, tokenizer, facts: ModelFacts, resume_path,
+                 resume_meta) -> TrainData:
     """Rank 0 tokenises and caches first (the others wait up to --data_timeout), then the others
     read its cache; or each rank streams its own part (train_extras/data_at_scale.py)."""
-    if cfg.streaming and tp_layout:
+    if cfg.streaming and facts.tp_layout:
         raise config.ConfigError(
             "--streaming splits the stream over all ranks: not with tensor parallelism")
     with data_at_scale.main_process_first(accelerator, cfg.data_timeout):
@@ -201,16 +221,18 @@ def prepare_data(cfg, accelerator, tokenizer, tp_layout, resume_path, resume_met
     return TrainData(train_set, eval_set, train_loader, eval_loader, identity)
 
 
-def start_record(cfg, accelerator, train_data: TrainData, flops_per_token: float) -> RunRecord:
+def start_record(cfg, accelerator, train_data: TrainData, facts: ModelFacts) -> RunRecord:
     """The run's record, and the setup block, printed once the data is known to be good (bad
     input stays a one-line error). Logs get copied around: the options are printed and recorded
     with secrets removed, as trackers get them."""
     setup = config.setup_facts(cfg, accelerator, options=redact(dataclasses.asdict(cfg)))
     peak = metrics.peak_flops(accelerator)  # per device, for MFU (measured on a CPU: ~0.7 s)
     train_set, eval_set = train_data.train_set, train_data.eval_set
+    flops_per_token, route = facts.flops_per_token, facts.route
     if accelerator.is_main_process:
         print(config.describe_setup(setup, {
             "model": cfg.model_name_or_path or f"preset {cfg.preset} (random init)",
+            "attention": facts.attention + (" (auto)" if cfg.attn_implementation == "auto" else ""),
             "FLOPs/token": f"{flops_per_token:.3e} (6N + 12LHQT)",
             "peak for MFU": (f"{peak['tflops']:.3g} TFLOP/s per device, {peak['source']}"
                              if peak["tflops"] else f"unknown ({peak['source']}): no MFU"),
@@ -218,6 +240,8 @@ def start_record(cfg, accelerator, train_data: TrainData, flops_per_token: float
                     f"{len(eval_set)} held-out " + (f"blocks of {cfg.seq_len + 1} tokens"
                                                     if cfg.packing else "documents, padded"),
             **tensor_parallel.describe_mesh(accelerator),  # HSDP: dp_replicate x dp_shard
+            **({"experts": f"{route['experts']}, top-{route['top_k']} per token; "
+                           f"router loss weight {route['coef']:g}"} if route else {}),
         }), flush=True)
     data_facts = {"train_blocks": None if cfg.streaming else len(train_set),
                   "eval_blocks": len(eval_set),
@@ -242,10 +266,12 @@ class Run:
     train_loader: object
     eval_loader: object
     tp_layout: dict | None  # {"dp_shard": M, "tp": N} under tensor parallelism
+    route: dict | None  # a mixture-of-experts model's experts, top-k and router-loss weight
     saved: dict  # what every checkpoint.json records besides the step and the data position
 
 
-def build(cfg, accelerator, tokenizer, train_data: TrainData, tp_layout, record: RunRecord) -> Run:
+def build(cfg, accelerator, tokenizer, train_data: TrainData, facts: ModelFacts,
+          record: RunRecord) -> Run:
     """Model (random-init preset or pretrained), optimizer and schedule, through `prepare`."""
     dtype = deepspeed_settings.weights_dtype(accelerator)
     model = modeling.build_model(cfg, len(tokenizer), dtype=dtype)
@@ -257,8 +283,10 @@ def build(cfg, accelerator, tokenizer, train_data: TrainData, tp_layout, record:
         # load), and FSDP2's hooks, added later by prepare, still run.
         compile_regions_fsdp2(model)
     parameters = metrics.count_parameters(model)
+    tp_layout = facts.tp_layout
     if tp_layout:  # TP (then FSDP2 for 2D) on accelerate's mesh, by torch's own APIs
         model = tensor_parallel.parallelize(model, accelerator)
+    deepspeed_settings.gather_moe_blocks_whole(accelerator, model)  # ZeRO-3: experts gathered whole
     optimizer = modeling.build_optimizer(model, cfg, accelerator.device)
     scheduler = modeling.build_scheduler(optimizer, cfg)
     train_loader, eval_loader = train_data.train_loader, train_data.eval_loader
@@ -271,14 +299,15 @@ def build(cfg, accelerator, tokenizer, train_data: TrainData, tp_layout, record:
     else:
         model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
             model, optimizer, train_loader, eval_loader, scheduler)
-    record.model(parameters, metrics.compiled_regions(model))
+    active = parameters - facts.inactive_parameters  # MoE: a token goes through top-k experts
+    record.model(parameters, active, metrics.compiled_regions(model))
     setup = record.summary["setup"]
     saved = {"batches_per_epoch": None if cfg.streaming else len(train_loader),
              "data": train_data.identity, "config": dataclasses.asdict(cfg),
              "setup": {k: setup[k] for k in ("distributed_type", "world_size", "data_parallel_size",
                                              "tensor_parallel_size", "mixed_precision")}}
     return Run(cfg, accelerator, model, optimizer, scheduler, tokenizer, train_loader, eval_loader,
-               tp_layout, saved)
+               tp_layout, facts.route, saved)
 
 
 @dataclasses.dataclass
@@ -327,17 +356,18 @@ def train(run: Run, record: RunRecord, start: Position, watch) -> dict | None:
         for step in range(start.step + 1, cfg.max_steps + 1):
             micro_batches = [next(batches) for _ in range(cfg.gradient_accumulation_steps)]
             micro_batches_done += len(micro_batches)
-            step_loss, finite, stop_votes = forward_backward(run, micro_batches, watch)
+            step_loss, aux_loss, finite, stop_votes = forward_backward(run, micro_batches, watch,
+                                                                       record)
             if nonfinite.stops_the_run(finite):
                 lr = optimizer.param_groups[0]["lr"]
-                record.step(step, lr, step_loss, None, overflow.scale)
+                record.step(step, lr, step_loss, None, overflow.scale, aux_loss)
                 record.steps_to_file()  # the steps that led here, this one too, into metrics.jsonl
                 raise nonfinite.error(step)
             # A skipped step: its gradients are dropped and the schedule waits.
             grad_norm = update(run, overflow) if finite else None
             optimizer.zero_grad(set_to_none=True)
             lr = optimizer.param_groups[0]["lr"]  # what the optimizer will really use next
-            record.step(step, lr, step_loss, grad_norm, overflow.scale)
+            record.step(step, lr, step_loss, grad_norm, overflow.scale, aux_loss)
 
             if stop_votes:
                 preempted = {"step": step, "signal": watch.signal_name or "another rank's signal"}
@@ -364,10 +394,10 @@ def train(run: Run, record: RunRecord, start: Position, watch) -> dict | None:
     return preempted
 
 
-def forward_backward(run: Run, micro_batches: list, watch) -> tuple[torch.Tensor, bool, bool]:
+def forward_backward(run: Run, micro_batches: list, watch, record: RunRecord):
     """Gradients of one optimizer step, summed over its micro-batches. Returns the step's
-    token-mean loss over all ranks (on the device), whether it is finite, whether a rank was
-    signalled."""
+    token-mean loss over all ranks and (MoE) its mean router loss, both on the device, whether the
+    loss is finite and whether a rank was signalled; the experts' load goes to the record."""
     accelerator, model, accumulation = run.accelerator, run.model, len(micro_batches)
     # The whole step's target-token count over all micro-batches and ranks normalises the loss,
     # so every target token weighs the same whatever the length of its row (transformers'
@@ -380,24 +410,33 @@ def forward_backward(run: Run, micro_batches: list, watch) -> tuple[torch.Tensor
     # over the data-parallel ranks only: world / step_tokens is still data ranks / real tokens.)
     scale = accumulation * accelerator.num_processes / step_tokens
     loss_sum = torch.zeros((), device=accelerator.device)
+    aux_sum = torch.zeros((), device=accelerator.device)  # MoE: the router's load-balancing loss
     for i, batch in enumerate(micro_batches):
         if run.tp_layout and run.tp_layout["dp_shard"] > 1:  # our fully_shard: not accelerate's
             model.set_requires_gradient_sync(i == accumulation - 1)
         with accelerator.accumulate(model):  # no gradient all-reduce before the last micro-batch
-            micro_sum = modeling.causal_lm_loss(model, batch["input_ids"], batch["labels"],
-                                                reduction="sum")
-            accelerator.backward(micro_sum * scale)
+            if run.route is None:
+                micro_sum = modeling.causal_lm_loss(model, batch["input_ids"], batch["labels"],
+                                                    reduction="sum")
+                accelerator.backward(micro_sum * scale)
+            else:  # the aux loss is a mean per micro-batch: backward's own scaling averages it
+                micro_sum, aux, slots = moe.losses(model, batch["input_ids"], batch["labels"],
+                                                   run.route)
+                accelerator.backward(micro_sum * scale + run.route["coef"] * aux)
+                aux_sum += aux.detach()
+                record.expert_slots(slots)
         loss_sum += micro_sum.detach()
-    # One all-reduce carries the loss and each rank's preemption vote: every rank then stops
-    # after the same step, whichever of them got the signal, and when.
+    # One all-reduce carries the loss, the router loss and each rank's preemption vote: every
+    # rank then stops after the same step, whichever of them got the signal, and when.
     votes = watch.vote(loss_sum.device)
-    loss_and_votes = accelerator.reduce(torch.stack([loss_sum, votes]), "sum")
+    loss_and_votes = accelerator.reduce(torch.stack([loss_sum, votes, aux_sum]), "sum")
     step_loss = loss_and_votes[0] / step_tokens
+    aux_loss = loss_and_votes[2] / (accumulation * accelerator.num_processes) if run.route else None
     # The step's one host sync: whether the loss is finite (a NaN must not reach the weights)
     # and whether any rank was signalled.
     finite, stop_votes = torch.stack([torch.isfinite(step_loss).float(),
                                       loss_and_votes[1]]).tolist()
-    return step_loss, bool(finite), stop_votes > 0
+    return step_loss, aux_loss, bool(finite), stop_votes > 0
 
 
 def update(run: Run, overflow: "OverflowSkips"):

@@ -229,7 +229,7 @@ def check_loss_goes_down(summary: dict):
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # by the run's mixed precision (export_dtype auto)
 
 
-def check_export_reproduces_model(run: Run):
+def check_export_reproduces_model(run: Run, load_tokenizer=None):
     """The exported folder, reloaded by plain transformers, is in the run's precision and gives the
     trained model's logits (fp32, recorded by the probe at the end of the run): within 1e-5 from an
     fp32 export, within 5% of the largest logit from a bf16/fp16 one, whose weights are rounded to 8
@@ -239,7 +239,7 @@ def check_export_reproduces_model(run: Run):
 
     assert run.summary["export"] == str(run.output_dir / "model")
     model = AutoModelForCausalLM.from_pretrained(run.summary["export"])
-    AutoTokenizer.from_pretrained(run.summary["export"])  # the tokenizer travels with the weights
+    (load_tokenizer or AutoTokenizer.from_pretrained)(run.summary["export"])  # it travels with the weights
     assert (run.output_dir / "model" / "model.safetensors").exists()
     dtype = EXPORT_DTYPES.get(run.summary["setup"]["mixed_precision"], torch.float32)
     assert {p.dtype for p in model.parameters()} == {dtype}

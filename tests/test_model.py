@@ -54,6 +54,9 @@ def test_model_settings():
     assert model.config._attn_implementation == "sdpa"
     assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
     assert next(model.parameters()).dtype == torch.float32
+    # auto (the default) is transformers' pick, SDPA for Llama; a name given wins
+    assert build_model(TrainConfig(preset="debug", attn_implementation="eager"), VOCAB).config._attn_implementation \
+        == "eager"
 
 
 def test_seq_len_above_positions_refused():

@@ -645,3 +645,19 @@ def test_tied_embeddings_stay_gathered_in_the_tail(tmp_path, capsys):
         assert ("tied embedding/lm_head]" in in_flight["name"]) == shape.tied
     code, out, _ = run_cli(capsys, "--model_name_or_path", str(tmp_path / "tied"), "--seq_len", "64")
     assert code == 0 and "tied embeddings" in out.splitlines()[0]
+
+
+def test_dense_compute_line_uses_every_parameter(capsys):
+    """A dense model: active = total, and the FLOPs per token are the ones train.py's MFU uses."""
+    from train_extras.observe.flops import flops_per_token
+
+    shape = plan.model_shape("tiny")
+    assert shape.active_params == shape.n_params and shape.experts == 0
+    expected = flops_per_token(plan.load_config("tiny"), 128)
+    assert shape.flops_per_token(128) == expected
+    code, out, _ = run_cli(capsys, "--preset", "tiny", "--seq_len", "128")
+    assert code == 0
+    line = out.splitlines()[1]
+    n = f"{shape.n_params / 1e6:.1f}M"
+    assert line.startswith(f"Parameters: {n} total (memory), {n} active per token (dense). Compute: {expected:.3e} "
+                           "FLOPs/token at seq_len 128")

@@ -146,9 +146,22 @@ class DataAtScaleOptions:
 
 
 @dataclass
+class MixtureOfExpertsOptions:
+    router_aux_loss_coef: float | None = field(
+        default=None,
+        metadata={"help": "Mixture-of-experts models: weight of the router's load-balancing loss in the objective "
+                          "(default: the model config's router_aux_loss_coef; 0 = off). Refused for a dense model."})
+
+    def check(self):
+        if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
+            raise ConfigError(f"--router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
+
+
+@dataclass
 class TrainConfig(CompileOptions, SampleOptions, TrackingOptions, CheckpointOptions, Fp16Options,
-                  AccumulationOptions, RecipeConfig, DataAtScaleOptions, FineTuneOptions):
+                  AccumulationOptions, MixtureOfExpertsOptions, RecipeConfig, DataAtScaleOptions, FineTuneOptions):
     """Every option of train.py: --help lists the groups from the last base to the first."""
     # FineTuneOptions' check first: it sets --warmup_steps from --warmup_ratio, which OptimizerOptions' checks.
     check_order = (FineTuneOptions, DataAtScaleOptions, ModelOptions, DataOptions, OptimizerOptions,
-                   AccumulationOptions, Fp16Options, CheckpointOptions, TrackingOptions, SampleOptions)
+                   MixtureOfExpertsOptions, AccumulationOptions, Fp16Options, CheckpointOptions, TrackingOptions,
+                   SampleOptions)

@@ -92,6 +92,24 @@ def _vocab_note(shape: ModelShape) -> str | None:
             "--model_name_or_path <local folder with its config.json>.")
 
 
+def _compute_line(shape: ModelShape, req: Request) -> str | None:
+    """Memory holds every parameter, compute goes through the active ones: for a mixture of experts,
+    top_k of its routed experts per token (the FLOPs train.py's MFU is measured against)."""
+    fpt = shape.flops_per_token(req.seq_len)
+    if fpt is None:
+        return None
+    tokens = req.micro_batch_size * req.seq_len
+    if shape.experts:
+        which = (f"{_count(shape.n_params)} total (memory: every expert is held), {_count(shape.active_params)} "
+                 f"active per token (compute: top-{shape.top_k} of {shape.experts} routed experts; the activations "
+                 "below are a dense block's of the same widths: the experts' own are not modelled)")
+    else:
+        which = f"{_count(shape.n_params)} total (memory), {_count(shape.active_params)} active per token (dense)"
+    return (f"Parameters: {which}. Compute: {fpt:.3e} FLOPs/token at seq_len {req.seq_len} (6N + 12LHQT, N = "
+            f"{_count(shape.active_matmul_params)} active matmul weights), {fpt * tokens:.3e} training FLOPs per GPU "
+            f"per micro-batch ({tokens} tokens).")
+
+
 def render(model, req: Request, rows: list[dict], model_args: str) -> str:
     shape = model if isinstance(model, ModelShape) else None
     out = []
@@ -99,6 +117,8 @@ def render(model, req: Request, rows: list[dict], model_args: str) -> str:
         out.append(f"Memory plan for {shape.name}: {_count(shape.n_params)} parameters ({shape.layers} blocks of "
                    f"{_count(shape.block_params)}, hidden {shape.hidden}, vocab {shape.vocab}"
                    f"{', tied embeddings' if shape.tied else ''})")
+        if (compute := _compute_line(shape, req)):
+            out.append(compute)
         if (note := _vocab_note(shape)):
             out.append(note)
     else:

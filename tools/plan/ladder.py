@@ -101,6 +101,19 @@ class ModelShape:
     llama: bool  # False: the activation probe uses a Llama block of the same dimensions
     tied: bool = False  # input embedding and lm_head share one weight (tie_word_embeddings)
     preset: str | None = None  # the preset's name (byte vocabulary); None for a folder
+    # Compute (train_extras/observe/flops.py): a mixture of experts holds every expert (memory: n_params)
+    # but sends each token through top_k of its `experts` routed ones. Dense: active_params == n_params.
+    active_params: int | None = None  # parameters one token uses (flops.parameter_counts "active")
+    active_matmul_params: int | None = None  # N of 6N (flops.active_matmul_params)
+    attention_flops: int = 0  # 12 * L * H * Q: FLOPs per token per position of context
+    experts: int = 0  # routed experts per MoE layer (0: dense)
+    top_k: int = 0  # of them per token
+
+    def flops_per_token(self, seq_len: int) -> float | None:
+        """Training FLOPs per token at seq_len, as train.py's MFU counts them (flops.flops_per_token)."""
+        if self.active_matmul_params is None:
+            return None
+        return 6 * self.active_matmul_params + self.attention_flops * seq_len
 
     @property
     def dims(self) -> tuple:
@@ -142,6 +155,15 @@ def model_shape(preset: str | None = None, model_name_or_path: str | None = None
             model = AutoModelForCausalLM.from_config(config)
     except (ValueError, KeyError) as err:
         raise PlanError(f"cannot build a causal LM from that config: {str(err).splitlines()[0]}") from None
+    from common.config import ConfigError
+    from train_extras.observe import flops
+
+    try:  # compute from the parameters a token uses (a mixture of experts: top-k of its experts)
+        counts, moe = flops.parameter_counts(config, model), flops.routed_experts(config, model)
+        active_matmul = flops.active_matmul_params(config, model)
+        dims = flops.dimensions(config)
+    except ConfigError as err:
+        raise PlanError(str(err)) from None
     block_names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in block_names]
     if not blocks:
@@ -178,6 +200,11 @@ def model_shape(preset: str | None = None, model_name_or_path: str | None = None
             llama=getattr(text, "model_type", "") == "llama",
             tied=tied,
             preset=preset if model_name_or_path is None else None,
+            active_params=counts["active"],
+            active_matmul_params=active_matmul,
+            attention_flops=12 * dims["layers"] * dims["heads"] * dims["head_dim"],
+            experts=moe["experts"] if moe else 0,
+            top_k=moe["top_k"] if moe else 0,
         )
     except AttributeError as err:  # the probe needs a Llama-like decoder's fields
         raise PlanError(f"{model_name_or_path}: not a Llama-like decoder config ({err})") from None

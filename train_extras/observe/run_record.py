@@ -17,9 +17,11 @@ eval, so a run killed without a tracker still leaves its loss curve (run_summary
 record written at the end). Flushed lines survive the process; they are fsynced with every
 checkpoint, so after a machine's crash the file still reaches the checkpoint resumed from. A disk
 that fills stops the lines with a warning, not the run (its next checkpoint save says more). Lines, by "kind":
-  train     one per step: step, loss, lr, grad_norm (pre-clip; null for a skipped step), loss_scale (fp16)
+  train     one per step: step, loss, lr, grad_norm (pre-clip; null for a skipped step), loss_scale (fp16),
+            aux_loss (a mixture of experts: the router's load-balancing loss, apart from loss)
   interval  one per log interval: step (its last), steps, tokens/s (global, per device), step time,
-            model TFLOP/s per device, mfu (null where the peak is unknown), eta_s, time (Unix seconds)
+            model TFLOP/s per device, mfu (null where the peak is unknown), eta_s, expert_load (MoE:
+            per layer cv, max_share, min_share of the experts' routing slots), time (Unix seconds)
   eval      one per eval: step, loss, perplexity, tokens, time
 A resumed run first keeps only the lines up to the step it resumes from (a crash can have logged
 steps past its last checkpoint; they are trained again) and drops a line torn by a kill, then appends:
@@ -160,11 +162,13 @@ class RunRecord:
                         "data": data, "losses": [], "eval": [], "samples": [], "throughput": []}
         self.metrics = MetricsFile(cfg.output_dir, None, enabled=False)  # opened by open_metrics
         self.pending, self.step_times, self.interval_steps, self.bar = [], [], 0, None
+        self.slots = None  # MoE: routing slots per (layer, expert) since the last interval
 
     # ---- before training ----
-    def model(self, parameters: int, compiled_regions: dict) -> None:
-        self.summary["model"] = {"parameters": parameters, "flops_per_token": self.flops_per_token,
-                                 "compiled_regions": compiled_regions}
+    def model(self, parameters: int, active_parameters: int, compiled_regions: dict) -> None:
+        """active_parameters: per token (a mixture of experts: its top-k experts'; dense: all)."""
+        self.summary["model"] = {"parameters": parameters, "active_parameters": active_parameters,
+                                 "flops_per_token": self.flops_per_token, "compiled_regions": compiled_regions}
 
     def start_trackers(self, resume_meta: dict | None) -> dict:
         """The tracker run's identity (kept in every checkpoint) and, unless --eval_only, the
@@ -223,22 +227,33 @@ class RunRecord:
             self.bar.close()
             self.metrics.close()
 
-    def step(self, step: int, lr: float, loss: torch.Tensor, grad_norm, loss_scale: float | None) -> None:
+    def step(self, step: int, lr: float, loss: torch.Tensor, grad_norm, loss_scale: float | None,
+             aux_loss: torch.Tensor | None = None) -> None:
         """One optimizer step's facts. grad_norm: clip_grad_norm_'s result (a DTensor under FSDP2, a
-        float under DeepSpeed, None for a skipped step), kept on the device like the loss."""
-        self.pending.append((step, lr, loss, metrics.as_tensor(grad_norm, loss.device), loss_scale))
+        float under DeepSpeed, None for a skipped step), kept on the device like the loss and the
+        router's loss (mixture-of-experts models only)."""
+        norm = metrics.as_tensor(grad_norm, loss.device)
+        self.pending.append((step, lr, loss, norm, loss_scale, aux_loss))
+
+    def expert_slots(self, slots: torch.Tensor) -> None:
+        """A micro-batch's routing slots per (layer, expert), on the device, added up to the interval."""
+        self.slots = slots if self.slots is None else self.slots + slots
 
     def _drain(self) -> list[dict]:
         """Fetch the steps given since the last call (one host sync) into run_summary.json and the
         trackers; returns their metrics.jsonl lines."""
         if not self.pending:
             return []
-        losses, norms = torch.stack([torch.stack([loss, norm]) for _, _, loss, norm, _ in self.pending]).T.tolist()
+        nan = torch.full((), float("nan"), device=self.pending[0][2].device)
+        losses, norms, auxes = torch.stack([torch.stack([loss, norm, nan if aux is None else aux.float()])
+                                            for _, _, loss, norm, _, aux in self.pending]).T.tolist()
         lines = []
-        for (s, lr, _, _, loss_scale), loss, norm in zip(self.pending, losses, norms):
+        for (s, lr, _, _, loss_scale, aux), loss, norm, aux_value in zip(self.pending, losses, norms, auxes):
             row = {"step": s, "loss": loss, "lr": lr, "grad_norm": norm}
             if loss_scale is not None:
                 row["loss_scale"] = loss_scale
+            if aux is not None:
+                row["aux_loss"] = aux_value
             self.summary["losses"].append(row)
             lines.append({"kind": "train", **row})
             self.accelerator.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step=s)
@@ -265,17 +280,31 @@ class RunRecord:
             world_size=self.accelerator.num_processes, flops_per_token=self.flops_per_token,
             peak_tflops_per_device=self.peak_tflops, steps_left=self.cfg.max_steps - step, step_times=self.step_times)
         memory = metrics.peak_memory(self.accelerator)
-        self.summary["throughput"].append({"step": step, **stats, "memory_per_rank": memory})
-        self.metrics.write(lines + [{"kind": "interval", "step": step, "steps": steps, **stats, "time": now()}])
+        experts = self._expert_load()
+        self.summary["throughput"].append({"step": step, **stats, "memory_per_rank": memory, **experts})
+        self.metrics.write(lines + [{"kind": "interval", "step": step, "steps": steps, **stats, **experts,
+                                     "time": now()}])
         if self.plain:
             print(plain_line(step, self.cfg.max_steps, stats=stats, **self.last), flush=True)
         self.accelerator.log({f"perf/{k}": v for k, v in stats.items() if v is not None}
-                             | {f"memory/rank{m['rank']}_{k}": v for m in memory for k, v in m.items() if k != "rank"},
+                             | {f"memory/rank{m['rank']}_{k}": v for m in memory for k, v in m.items() if k != "rank"}
+                             | {f"experts/layer{i}_{k}": v for k, values in experts.get("expert_load", {}).items()
+                                for i, v in enumerate(values)},
                              step=step)
         self.bar.set_postfix(loss=f"{self.last['loss']:.4f}", lr=f"{self.last['lr']:.2e}",
                              tok_s=f"{stats['tokens_per_s']:,.0f}",
                              **({"mfu": f"{stats['mfu']:.1%}"} if stats["mfu"] is not None else {}))
         self.bar.update(steps)
+
+    def _expert_load(self) -> dict:
+        """{"expert_load": per layer cv, max_share, min_share} over every rank's routing since the
+        last interval (a small all-reduce), or {} for a dense model."""
+        if self.slots is None:
+            return {}
+        from train_extras.moe import load_stats
+
+        slots, self.slots = self.accelerator.reduce(self.slots, "sum"), None
+        return {"expert_load": load_stats(slots)}
 
     @contextlib.contextmanager
     def paused(self):

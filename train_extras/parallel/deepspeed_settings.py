@@ -43,3 +43,23 @@ def weights_dtype(accelerator) -> torch.dtype:
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         return PRECISION_DTYPES.get(accelerator.mixed_precision, torch.float32)
     return torch.float32
+
+
+def gather_moe_blocks_whole(accelerator, model) -> list[str]:
+    """Under ZeRO-3, make each sparse MoE block a leaf: DeepSpeed then gathers all of the block's
+    parameters when it starts, instead of module by module as they run. Where a family keeps one
+    module per expert, only the experts its router picks run, and those differ from rank to rank:
+    ZeRO-3's per-module gathers would go out of step between the ranks. (transformers 5.24's
+    Mixtral, Qwen3-MoE and OLMoE keep their experts fused in one module, which always runs; they
+    trained the same, bitwise, with and without this on 2 CPU ranks.) Returns the classes marked
+    (none: not ZeRO-3, or a dense model)."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED or accelerator.state.deepspeed_plugin.zero_stage != 3:
+        return []
+    from train_extras.moe import sparse_block_classes
+
+    classes = sparse_block_classes(model)
+    if classes:
+        from deepspeed.utils import set_z3_leaf_modules
+
+        set_z3_leaf_modules(model, classes)
+    return [c.__name__ for c in classes]

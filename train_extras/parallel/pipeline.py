@@ -17,12 +17,25 @@ def check_pipeline_layout(model_config, recipe: str) -> None:
     Llama, Qwen2, Mistral...); refuse any other layout before the model is built."""
     from train_extras.observe.flops import meta_model
 
+    from train_extras.moe import routing
+
+    family = type(model_config).__name__.replace("Config", "")
+    if routing(model_config) is not None:
+        raise ConfigError(f"{recipe}: the {family} model is a mixture of experts, whose router loss and expert load "
+                          "this pipeline does not carry across its stages; train it with train.py (DDP, FSDP2 or "
+                          "DeepSpeed configs)")
     inner = getattr(meta_model(model_config), "model", None)
     missing = [name for name in ("embed_tokens", "layers", "rotary_emb", "norm") if not hasattr(inner, name)]
     if missing:
-        family = type(model_config).__name__.replace("Config", "")
         raise ConfigError(f"{recipe} splits Llama-layout models (model.embed_tokens, .layers, .rotary_emb, .norm: "
                           f"Llama, Qwen2, Mistral...); the {family} model is laid out otherwise")
+
+
+def check_micro_batches(micro_batches: int, stages: int, recipe: str) -> None:
+    """1F1B needs at least one micro-batch in flight per stage (torch raises a ValueError otherwise)."""
+    if micro_batches < stages:
+        raise ConfigError(f"{recipe}: {stages} stages need at least {stages} micro-batches per step; got "
+                          f"--gradient_accumulation_steps {micro_batches}: raise it to {stages} or more")
 
 
 class PipelineStageModule(nn.Module):

@@ -1,0 +1,194 @@
+"""Mixture-of-experts models a user brings (Mixtral, Qwen3-MoE, OLMoE: tiny, random init, made
+locally with transformers' own config classes), trained by train.py under 1 process, DDP, FSDP2
+and ZeRO-3 with offload (2 CPU processes, fp32), with the router's load-balancing loss in the
+objective and the experts' load in metrics.jsonl; and the dense families that need eager attention
+(Gemma2, BLOOM), which --attn_implementation auto builds as they are.
+
+Each (family, config) is launched once; the tests read its record and its export."""
+
+import json
+
+import pytest
+import torch
+from transformers import (AutoConfig, AutoModelForCausalLM, BloomConfig, ByT5Tokenizer, Gemma2Config, MixtralConfig,
+                          OlmoeConfig, Qwen3MoeConfig)
+
+from common import data
+from common.config import ConfigError
+from conftest import SYNTHETIC, TWO_CPU_PROCESSES, TWO_PROCESS_LAUNCH, Run, check_export_reproduces_model, launch
+from train_extras import moe
+from train_extras.options import TrainConfig
+from train_extras.parallel.pipeline import check_micro_batches, check_pipeline_layout
+
+VOCAB = 259  # the byte-level tokenizer
+SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=256, tie_word_embeddings=False)
+FAMILIES = {
+    "mixtral": lambda: MixtralConfig(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, **SHAPE),
+    "qwen3_moe": lambda: Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=32, num_experts=4,
+                                        num_experts_per_tok=2, **SHAPE),
+    "olmoe": lambda: OlmoeConfig(intermediate_size=64, num_experts=4, num_experts_per_tok=2, pad_token_id=0,
+                                 bos_token_id=1, eos_token_id=1, **SHAPE),
+}
+EAGER_ONLY = {  # families without an SDPA path in transformers: auto must pick eager for them
+    "gemma2": lambda: Gemma2Config(intermediate_size=128, head_dim=16, **SHAPE),
+    "bloom": lambda: BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4),
+}
+MODEL_CLASS = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
+               "gemma2": "Gemma2ForCausalLM", "bloom": "BloomForCausalLM"}
+CONFIGS = ["cpu.yaml", "ddp.yaml", "fsdp.yaml", "deepspeed_zero3_offload.yaml"]
+# Global batch 8 everywhere (1 x 8, 2 x 4): the 2-process runs must match the 1-process one.
+ARGS = ["--data_files", SYNTHETIC, "--seq_len", "64", "--max_steps", "12", "--warmup_steps", "2",
+        "--eval_every", "12", "--log_every", "4", "--sample_length", "8"]
+# fp32 sums in another order (and DeepSpeedCPUAdam, another AdamW) as tests/test_distributed.py's
+# PARITY, at its looser 1e-4: the router's softmax and top-k carry the differences on (Mixtral under
+# DDP and FSDP2: 1e-6 at step 4, 1.1e-5 at step 5).
+PARITY = {"ddp.yaml": 1e-4, "fsdp.yaml": 1e-4, "deepspeed_zero3_offload.yaml": 1e-4}
+
+
+@pytest.fixture(scope="session")
+def moe_models(tmp_path_factory):
+    """Each family as a saved Hugging Face folder (random init, seed 0), and the byte tokenizer."""
+    folders = {}
+    for name, make in {**FAMILIES, **EAGER_ONLY}.items():
+        folder = tmp_path_factory.mktemp(f"moe_{name}")
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(make()).save_pretrained(folder)
+        folders[name] = folder
+    folders["tokenizer"] = tmp_path_factory.mktemp("moe_byte_tokenizer")
+    data.build_tokenizer(TrainConfig()).save_pretrained(folders["tokenizer"])
+    return folders
+
+
+@pytest.fixture(scope="session")
+def moe_runs(tmp_path_factory, hf_home, moe_models):
+    runs = {}
+
+    def get(family: str, config: str, *extra: str) -> Run:
+        key = (family, config, extra)
+        if key not in runs:
+            out = tmp_path_factory.mktemp(f"moe_{family}__{config}")
+            args = ARGS + ["--model_name_or_path", str(moe_models[family]),
+                           "--tokenizer_name_or_path", str(moe_models["tokenizer"]), "--output_dir", str(out), *extra]
+            if config == "cpu.yaml":
+                proc = launch("train.py", args + ["--micro_batch_size", "8"], hf_home)
+            else:
+                proc = launch("train.py", args + ["--micro_batch_size", "4"], hf_home, config=config,
+                              launch_args=TWO_PROCESS_LAUNCH, env=TWO_CPU_PROCESSES[config])
+            runs[key] = Run(out, proc)
+        return runs[key]
+
+    return get
+
+
+def metrics_lines(run: Run, kind: str) -> list[dict]:
+    lines = [json.loads(line) for line in (run.output_dir / "metrics.jsonl").read_text().splitlines()]
+    return [line for line in lines if line["kind"] == kind]
+
+
+RUNS = [(family, config) for family in FAMILIES for config in CONFIGS]
+
+
+@pytest.mark.parametrize("family, config", RUNS)
+def test_each_moe_family_trains_under_each_strategy(family, config, moe_runs):
+    run = moe_runs(family, config)
+    summary = run.summary
+    assert summary["setup"]["world_size"] == (1 if config == "cpu.yaml" else 2)
+    assert summary["setup"]["global_batch_sequences"] == 8
+    assert run.final[0]["model_class"] == MODEL_CLASS[family]
+    model = summary["model"]  # per token: the non-expert weights and 2 of the 4 experts (test_moe_flops.py)
+    assert model["parameters"] > model["active_parameters"] > model["parameters"] / 2, model
+    losses = [row["loss"] for row in summary["losses"]]
+    assert sum(losses[-3:]) / 3 < losses[0] - 1.0, losses
+    assert summary["eval"][-1]["loss"] < summary["eval"][0]["loss"] - 1.0, summary["eval"]
+    # the router's loss, per step, apart from the language-model loss; the experts' load per interval
+    train_lines = metrics_lines(run, "train")
+    assert len(train_lines) == 12 and all(0.5 < line["aux_loss"] < 4.0 for line in train_lines), train_lines
+    intervals = metrics_lines(run, "interval")
+    assert [line["step"] for line in intervals] == [4, 8, 12]
+    for line in intervals:
+        load = line["expert_load"]
+        assert len(load["cv"]) == 2  # one entry per MoE layer
+        assert all(0 <= low <= 0.25 <= high <= 1 for low, high in zip(load["min_share"], load["max_share"])), load
+        assert all(cv >= 0 for cv in load["cv"]) and any(cv > 0 for cv in load["cv"])
+    assert summary["throughput"][-1]["expert_load"] == intervals[-1]["expert_load"]
+    if config != "cpu.yaml":  # the same global batch as 1 process: the same steps
+        reference = [row["loss"] for row in moe_runs(family, "cpu.yaml").summary["losses"][:5]]
+        assert losses[:5] == pytest.approx(reference, abs=PARITY[config], rel=0)
+
+
+@pytest.mark.parametrize("family, config", RUNS)
+def test_each_moe_family_exports_the_trained_model(family, config, moe_runs):
+    # The byte tokenizer is read back by its own class: AutoTokenizer takes the class of the folder's
+    # model type over the one tokenizer_config.json names (Mixtral's: Llama's, which needs sentencepiece).
+    check_export_reproduces_model(moe_runs(family, config), load_tokenizer=ByT5Tokenizer.from_pretrained)
+
+
+def test_the_logged_router_loss_is_the_familys_own_on_the_same_batch(moe_runs, moe_models):
+    """Step 1's aux_loss (1 process, no accumulation) is the family's own load-balancing loss of the
+    initial weights on the first batch, rebuilt here from the same data options."""
+    run = moe_runs("mixtral", "cpu.yaml")
+    cfg = TrainConfig(model_name_or_path=str(moe_models["mixtral"]), data_files=[SYNTHETIC], seq_len=64,
+                      tokenizer_name_or_path=str(moe_models["tokenizer"]), micro_batch_size=8, max_steps=12,
+                      warmup_steps=2)
+    train_set, eval_set = data.build_datasets(cfg, data.build_tokenizer(cfg))
+    batch = next(iter(data.build_loaders(cfg, train_set, eval_set, pin_memory=False)[0]))
+    model = AutoModelForCausalLM.from_pretrained(moe_models["mixtral"])
+    with torch.no_grad():
+        out = model(input_ids=batch["input_ids"], output_router_logits=True)
+    first = metrics_lines(run, "train")[0]
+    assert first["aux_loss"] == pytest.approx(out.aux_loss.item(), rel=1e-6)
+    lm_loss = torch.nn.functional.cross_entropy(out.logits.reshape(-1, VOCAB), batch["labels"].reshape(-1))
+    assert first["loss"] == pytest.approx(lm_loss.item(), rel=1e-6)  # the language-model loss alone
+
+
+def test_the_router_loss_is_in_the_objective(moe_runs):
+    """Coefficient 0 (off) against the config's own (0.001): the same first step, then other weights."""
+    default, off = moe_runs("mixtral", "cpu.yaml"), moe_runs("mixtral", "cpu.yaml", "--router_aux_loss_coef", "0")
+    assert default.summary["losses"][0]["loss"] == off.summary["losses"][0]["loss"]
+    assert default.summary["losses"][-1]["loss"] != off.summary["losses"][-1]["loss"]
+    weights = [AutoModelForCausalLM.from_pretrained(run.output_dir / "model").state_dict() for run in (default, off)]
+    router = "model.layers.0.mlp.gate.weight"
+    assert not torch.equal(weights[0][router], weights[1][router])
+    assert off.summary["setup"]["options"]["router_aux_loss_coef"] == 0.0
+
+
+@pytest.mark.parametrize("family", EAGER_ONLY)
+def test_a_family_without_sdpa_trains_with_no_attention_option(family, moe_runs):
+    run = moe_runs(family, "cpu.yaml")
+    assert run.final[0]["model_class"] == MODEL_CLASS[family]
+    assert "attention        : eager (auto)" in run.proc.stdout
+    losses = [row["loss"] for row in run.summary["losses"]]
+    assert sum(losses[-3:]) / 3 < losses[0] - 1.0, losses
+    assert run.summary["model"]["active_parameters"] == run.summary["model"]["parameters"]
+    assert "aux_loss" not in metrics_lines(run, "train")[0]  # dense: no router loss, no expert load
+    assert "expert_load" not in metrics_lines(run, "interval")[0]
+
+
+def test_the_router_option_is_refused_for_a_dense_model(moe_models):
+    cfg = TrainConfig(router_aux_loss_coef=0.01)
+    dense = AutoConfig.from_pretrained(moe_models["gemma2"])
+    with pytest.raises(ConfigError, match="--router_aux_loss_coef: the Gemma2 model has no router"):
+        moe.route_for(cfg, dense)
+    with pytest.raises(ConfigError, match="--router_aux_loss_coef must be >= 0"):
+        TrainConfig(router_aux_loss_coef=-1.0)
+    mixtral = AutoConfig.from_pretrained(moe_models["mixtral"])
+    assert moe.route_for(TrainConfig(), mixtral) == {"experts": 4, "top_k": 2, "coef": 0.001}
+    assert moe.route_for(cfg, mixtral)["coef"] == 0.01
+
+
+def test_the_pipeline_refuses_moe_and_too_few_micro_batches(moe_models):
+    for family in FAMILIES:
+        with pytest.raises(ConfigError, match="is a mixture of experts"):
+            check_pipeline_layout(AutoConfig.from_pretrained(moe_models[family]), "pipeline_parallel.py")
+    with pytest.raises(ConfigError, match=r"^pipeline_parallel.py: 2 stages need at least 2 micro-batches per step; "
+                                          r"got --gradient_accumulation_steps 1: raise it to 2 or more$"):
+        check_micro_batches(1, 2, "pipeline_parallel.py")
+    check_micro_batches(2, 2, "pipeline_parallel.py")
+
+
+def test_expert_load_statistics():
+    slots = torch.tensor([[2.0, 2.0, 2.0, 2.0], [8.0, 0.0, 0.0, 0.0]])  # uniform, and all on one expert
+    stats = moe.load_stats(slots)
+    assert stats["cv"] == pytest.approx([0.0, 3 ** 0.5]) and stats["max_share"] == [0.25, 1.0]
+    assert stats["min_share"] == [0.25, 0.0]

@@ -1,0 +1,85 @@
+"""Mixture-of-experts models in train.py: the router's load-balancing loss in the objective and the
+experts' load in the run's record.
+
+A sparse MoE layer sends each token to the top-k of its E experts by a learned router. Trained on
+the language-model loss alone the router is trained blind: it can collapse onto a few experts,
+which then see most tokens while the others learn nothing. Every MoE family in transformers ships
+a load-balancing loss for this (Switch Transformer's: E * sum_e f_e * P_e over layers, f_e the
+share of routing slots expert e gets, P_e its mean router probability; 1 when the load is
+uniform), returned as `aux_loss` when the forward is asked for `output_router_logits`. The
+objective becomes
+
+    sum(per-token loss over the step) / step target tokens + coef * mean(aux_loss over micro-batches and ranks)
+
+with coef = --router_aux_loss_coef (default: the model config's own router_aux_loss_coef; 0 turns
+it off). The aux term is a mean per micro-batch, so accumulation and the world size leave its share
+as it is (accelerator.backward divides by the accumulation steps and gradient averaging by the
+data-parallel ranks: exactly the mean). The held-out eval reports the language-model loss alone.
+
+Expert load: per layer, the share of routing slots (tokens x top_k) each expert got since the last
+log interval, summed over ranks; the run records its coefficient of variation and its max and min
+share per layer (uniform: cv 0, every share 1/E).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from common.config import ConfigError
+from common.model import token_loss
+from train_extras.observe.flops import routed_experts, text_config
+
+def routing(model_config) -> dict | None:
+    """{"experts": E, "top_k": k, "coef": the config's aux coefficient} of an MoE family (its experts
+    found on the meta-device model, as the FLOPs count finds them), else None."""
+    experts = routed_experts(model_config)
+    if experts is None:
+        return None
+    coef = float(getattr(text_config(model_config), "router_aux_loss_coef", 0.0) or 0.0)
+    return {"experts": experts["experts"], "top_k": experts["top_k"], "coef": coef}
+
+
+def route_for(cfg, model_config) -> dict | None:
+    """This run's routing: the model's experts and top-k, and the router loss's weight
+    (--router_aux_loss_coef, else the config's own); None for a dense model, which refuses the option."""
+    route = routing(model_config)
+    if route is None and cfg.router_aux_loss_coef is not None:
+        family = type(text_config(model_config)).__name__.replace("Config", "")
+        raise ConfigError(f"--router_aux_loss_coef: the {family} model has no router (not a mixture-of-experts model)")
+    if route is not None and cfg.router_aux_loss_coef is not None:
+        route["coef"] = cfg.router_aux_loss_coef
+    return route
+
+
+def losses(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, route: dict):
+    """(token-summed language-model loss, the family's load-balancing loss, routing slots per layer
+    and expert as a (layers, E) tensor) of one micro-batch; nothing leaves the device."""
+    out = model(input_ids=input_ids, output_router_logits=True)
+    return token_loss(out.logits, labels, "sum"), out.aux_loss, expert_slots(out.router_logits, route)
+
+
+def expert_slots(router_logits, route: dict) -> torch.Tensor:
+    """(layers, E): how many routing slots each expert got, by the router's own top-k (on its
+    softmax: the same experts as the family's forward picks). histc, not bincount: no host sync."""
+    counts = []
+    for logits in router_logits:
+        chosen = torch.topk(logits.float(), route["top_k"], dim=-1).indices
+        counts.append(torch.histc(chosen.reshape(-1).float(), bins=route["experts"], min=0, max=route["experts"]))
+    return torch.stack(counts)
+
+
+def load_stats(slots: torch.Tensor) -> dict:
+    """Per layer: coefficient of variation, max and min share of the routing slots (a host list)."""
+    shares = slots / slots.sum(dim=1, keepdim=True).clamp(min=1)
+    mean = shares.mean(dim=1, keepdim=True)
+    cv = (shares - mean).pow(2).mean(dim=1).sqrt() / mean.squeeze(1).clamp(min=1e-12)
+    cv, high, low = torch.stack([cv, shares.max(dim=1).values, shares.min(dim=1).values]).tolist()
+    return {"cv": cv, "max_share": high, "min_share": low}
+
+
+def sparse_block_classes(model: nn.Module) -> list[type]:
+    """The classes of the model's sparse MoE blocks: the modules holding the experts beside a router."""
+    return sorted({type(m) for m in model.modules()
+                   if isinstance(getattr(m, "experts", None), nn.Module) and hasattr(m, "gate")},
+                  key=lambda c: c.__name__)
