@@ -152,7 +152,8 @@ def replica_max_difference(model: nn.Module, accelerator, dim: str = "tp") -> fl
     for param in model.parameters():
         mesh = getattr(param, "device_mesh", None)
         if dim == "tp" and mesh is not None and "tp" in mesh.mesh_dim_names:
-            continue  # split by TP: no copies
+            if not param.placements[mesh.mesh_dim_names.index("tp")].is_replicate():
+                continue  # split by TP: no copies (a Replicate one, Qwen3's q/k norms, has them)
         local = (param.to_local() if hasattr(param, "to_local") else param).detach()
         first = local.clone()
         dist.broadcast(first, group=group, group_src=0)

@@ -16,8 +16,12 @@ mesh with torch's own APIs:
    weight's input columns are split (Shard(1)); each rank multiplies its slice of the input (the
    column-wise partner's output, already split the same way) and the partial outputs are summed by
    an all-reduce in forward (nothing in backward). So each attention block and each MLP costs one
-   all-reduce of the activations forward and one backward. Embeddings, norms and the LM head stay
-   whole on every rank of the group (their gradients come out identical on every TP rank).
+   all-reduce of the activations forward and one backward. What the plan does not name (Llama's
+   embeddings, norms, LM head) stays whole on every rank of the group (its gradients come out
+   identical on every TP rank). Each style a family may declare is one torch ParallelStyle
+   (`TORCH_STYLES`, below), from transformers' own definitions (transformers/distributed/
+   tensor_parallel.py, `ALL_PARALLEL_STYLES`); the styles of mixture-of-experts blocks (experts
+   stored as 3-D parameters, not modules) and of a few exotic layers are refused by `check`.
 2. 2D: then `fully_shard` (FSDP2) on mesh["dp_shard"], per decoder layer and at the root: every
    parameter becomes a DTensor on the 2-D mesh, sharded by TP and again by FSDP.
 
@@ -27,6 +31,11 @@ and ignores the sub-mesh it is given, so its TP cannot be combined with fully_sh
 dimension ("Cannot concatenate overlapping meshes"), and accelerate 1.15's own 2D route fails with
 it (ImportError ReplicateParallel). parallelize_module also works on a model built in memory (a
 random-init preset), where tp_plan needs a saved folder.
+transformers' style objects are not used either, although they take any mesh: its
+"replicated_with_grad_allreduce" (Qwen3's q/k norms) all-reduces `param.grad` after each backward,
+which under gradient accumulation sums the earlier micro-batches' already reduced gradient again
+(measured, tiny Qwen3 on 2 ranks, 2 micro-batches: q_norm gradients off by 2.7e-3, 1 micro-batch:
+6.7e-8); here the weight is a Replicate DTensor whose each backward's gradient is reduced.
 
 HSDP (accelerate_configs/multi_node_hsdp.yaml: FSDP2 over dp_shard, replicated over dp_replicate)
 needs nothing here: accelerate shards on its 2-D mesh itself. `check` refuses a dp_shard mesh that
@@ -41,6 +50,7 @@ optimizer go to torch.distributed.checkpoint (save_sharded/load_sharded).
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 import os
 from pathlib import Path
@@ -115,11 +125,22 @@ def check(accelerator, cfg, model_config, recipe: str) -> None:
     from train_extras.observe.flops import text_config
 
     text = text_config(model_config)
+    family = type(text).__name__.replace("Config", "")
     if not getattr(text, "base_model_tp_plan", None):
-        family = type(text).__name__.replace('Config', '')
         raise ConfigError(f"{recipe}: the {family} model declares no tensor-parallel "
                           "plan (base_model_tp_plan in its transformers config), so tensor parallelism cannot "
                           "split it; use a data-parallel or FSDP config")
+    refused = unsupported_styles(text.base_model_tp_plan)
+    if refused:  # mixture-of-experts blocks (packed_colwise, moe_tp_experts), MLA, attention sinks
+        raise ConfigError(f"{recipe}: the {family} model's tensor-parallel plan uses {_listed(refused)}, which this "
+                          f"code does not apply (it applies {', '.join(TORCH_STYLES)}); use a data-parallel or "
+                          "FSDP config")
+    split_embedding = [p for p, style in text.base_model_tp_plan.items() if style.startswith("embedding_")]
+    tied = getattr(model_config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False)
+    if split_embedding and tied:
+        raise ConfigError(f"{recipe}: the {family} model ties its LM head to the input embedding, which its "
+                          f"tensor-parallel plan splits ({split_embedding[0]}); the LM head here stays whole: "
+                          "untie the embeddings or use a data-parallel or FSDP config")
     tp = shape["tp"]
     for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(text, key, None)
@@ -128,25 +149,120 @@ def check(accelerator, cfg, model_config, recipe: str) -> None:
                               "choose a tp_size that divides heads, key/value heads and the MLP width")
 
 
-def tp_plan(model: nn.Module) -> dict:
-    """The model's declared TP plan as torch ParallelStyles, keyed by module path patterns."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+# transformers' TP plan styles (ALL_PARALLEL_STYLES in transformers/distributed/tensor_parallel.py)
+# as the torch ParallelStyle that does the same on a rank (what it keeps, what it communicates):
+# (class, its layout arguments set to Replicate()).
+TORCH_STYLES = {
+    "colwise": ("ColwiseParallel", ()),  # Linear: output rows Shard(0); the output stays split
+    "rowwise": ("RowwiseParallel", ()),  # Linear: input columns Shard(1), split input; partial outputs all-reduced
+    # the output all-gathered: the next op needs every feature (OLMo2's q/k norms span all heads,
+    # Phi-3 splits its fused qkv and gate_up outputs itself)
+    "colwise_gather_output": ("ColwiseParallel", ("output_layouts",)),
+    "colwise_rep": ("ColwiseParallel", ("output_layouts",)),
+    # the partner of a gathered output: each rank takes its slice of the whole input (no communication)
+    "rowwise_split_input": ("RowwiseParallel", ("input_layouts",)),
+    "rowwise_rep": ("RowwiseParallel", ("input_layouts",)),
+    # Embedding: the vocabulary split (Shard(0)), the partial lookups all-reduced; or the hidden
+    # dimension split (Shard(1)), the slices all-gathered
+    "embedding_rowwise": ("RowwiseParallel", ("input_layouts",)),
+    "embedding_colwise": ("ColwiseParallel", ("output_layouts",)),
+    # Qwen3's, Gemma3's per-head q/k norm after a column-wise q/k_proj: the weight whole on every
+    # rank (a Replicate DTensor), its input this rank's heads (Shard on the heads dimension); each
+    # backward's partial gradient (this rank's heads only) summed over the TP group
+    "replicated_with_grad_allreduce": ("ReplicatedWithGradAllReduce", ()),
+}
 
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+
+def unsupported_styles(plan: dict) -> dict:
+    """{style: the first pattern using it} for the plan's styles this module does not apply."""
+    found = {}
+    for pattern, style in plan.items():
+        if style not in TORCH_STYLES:
+            found.setdefault(style, pattern)
+    return found
+
+
+def _torch_style(name: str):
+    from torch.distributed.tensor import Replicate, parallel
+
+    class_name, replicated = TORCH_STYLES[name]
+    if class_name == "ReplicatedWithGradAllReduce":
+        return _replicated_with_grad_allreduce()()
+    return getattr(parallel, class_name)(**{layout: Replicate() for layout in replicated})
+
+
+@functools.cache
+def _replicated_with_grad_allreduce():
+    """The ParallelStyle class (built on first use: importing torch's TP API costs ~0.5 s)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    def whole_gradient(grad):
+        # DTensor's backward leaves the weight's gradient Partial (each rank summed over its own
+        # heads); reduced here, per backward, so accumulation adds whole gradients
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            return grad.redistribute(placements=[Replicate()] * grad.device_mesh.ndim)
+        return grad
+
+    class ReplicatedWithGradAllReduce(ParallelStyle):
+        """A module (a norm) whose weight every rank keeps whole and whose input is this rank's heads.
+
+        Its input, [..., heads, head_dim] with this rank's heads (the column-wise q/k_proj's output
+        viewed per head), becomes a DTensor sharded on the heads dimension; the weight a Replicate
+        DTensor (from rank 0, as distribute_tensor sends), so DTensor reduces its gradient over the
+        ranks' heads. Under 2D, FSDP2 redistributes the gradient to the parameter's placement
+        itself (torch's FSDPParam._get_grad_inner_tensor); the hook covers TP alone."""
+
+        def __init__(self, head_dim: int = -2):
+            super().__init__()
+            self.input_layout = (Shard(head_dim),)
+
+        def _partition(self, name, module, mesh):
+            for p_name, param in list(module.named_parameters(recurse=False)):
+                replicated = nn.Parameter(distribute_tensor(param.data, mesh, [Replicate()],
+                                                            src_data_rank=self.src_data_rank),
+                                          requires_grad=param.requires_grad)
+                if replicated.requires_grad:
+                    replicated.register_hook(whole_gradient)
+                module.register_parameter(p_name, replicated)
+
+        def _input(self, module, inputs, mesh):
+            x, *rest = inputs
+            if isinstance(x, DTensor):
+                x = x if x.placements == self.input_layout else x.redistribute(placements=self.input_layout)
+            else:
+                x = DTensor.from_local(x, mesh, self.input_layout, run_check=False)
+            return (x, *rest)
+
+        def _output(self, module, output, mesh):
+            return output.to_local() if isinstance(output, DTensor) else output
+
+        def _apply(self, module, device_mesh):
+            return distribute_module(module, device_mesh, self._partition, self._input, self._output)
+
+    return ReplicatedWithGradAllReduce
+
+
+def tp_plan(model: nn.Module) -> dict:
+    """The model's declared TP plan as torch ParallelStyles (TORCH_STYLES), keyed by module path patterns."""
     declared = getattr(model.config, "base_model_tp_plan", None) or {}
     if not declared:
         raise ConfigError(f"{type(model).__name__} declares no tensor-parallel plan (config.base_model_tp_plan)")
+    refused = unsupported_styles(declared)
+    if refused:
+        raise ConfigError(f"{type(model).__name__}'s TP plan uses {_listed(refused)}, which this code does not apply")
     names = [name for name, _ in model.named_modules()]
     plan = {}
     for pattern, style in declared.items():
-        if style not in styles:
-            raise ConfigError(f"{type(model).__name__}'s TP plan uses {style!r} for {pattern}; "
-                              f"this code applies {', '.join(styles)} only")
         path = f"{model.base_model_prefix}.{pattern}"
         if not fnmatch.filter(names, path):
             raise ConfigError(f"the TP plan names {path}, which matches no module of {type(model).__name__}")
-        plan[path] = styles[style]()
+        plan[path] = _torch_style(style)
     return plan
+
+
+def _listed(refused: dict) -> str:
+    return ", ".join(f"{style!r} (for {pattern})" for style, pattern in refused.items())
 
 
 def parallelize(model: nn.Module, accelerator) -> nn.Module:
