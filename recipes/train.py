@@ -174,14 +174,15 @@ def model_facts(cfg, accelerator, vocab_size: int) -> ModelFacts:
     that need it (the mesh, the tensor-parallel plan, the router option), before the data."""
     model_cfg = modeling.model_config(cfg, vocab_size)
     tensor_parallel.check(accelerator, cfg, model_cfg, "train.py")
+    meta = flops.meta_model(model_cfg)  # built once (an 8B one takes ~0.7 s), read four ways
     attention = cfg.attn_implementation
     if attention == "auto":
-        attention = flops.meta_model(model_cfg).config._attn_implementation
-    counts = flops.parameter_counts(model_cfg)
+        attention = meta.config._attn_implementation
+    counts = flops.parameter_counts(model_cfg, meta)
     inactive = counts["total"] - counts["active"]
-    flops_per_token = flops.flops_per_token(model_cfg, cfg.seq_len)
+    flops_per_token = flops.flops_per_token(model_cfg, cfg.seq_len, meta)
     return ModelFacts(tensor_parallel.layout(accelerator), flops_per_token, inactive,
-                      moe.route_for(cfg, model_cfg), attention)
+                      moe.route_for(cfg, model_cfg, meta), attention)
 
 
 @dataclasses.dataclass

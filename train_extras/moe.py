@@ -28,22 +28,23 @@ from torch import nn
 
 from common.config import ConfigError
 from common.model import token_loss
-from train_extras.observe.flops import routed_experts, text_config
+from train_extras.observe.flops import is_experts, routed_experts, text_config
 
-def routing(model_config) -> dict | None:
+
+def routing(model_config, model: nn.Module | None = None) -> dict | None:
     """{"experts": E, "top_k": k, "coef": the config's aux coefficient} of an MoE family (its experts
     found on the meta-device model, as the FLOPs count finds them), else None."""
-    experts = routed_experts(model_config)
+    experts = routed_experts(model_config, model)
     if experts is None:
         return None
     coef = float(getattr(text_config(model_config), "router_aux_loss_coef", 0.0) or 0.0)
     return {"experts": experts["experts"], "top_k": experts["top_k"], "coef": coef}
 
 
-def route_for(cfg, model_config) -> dict | None:
+def route_for(cfg, model_config, model: nn.Module | None = None) -> dict | None:
     """This run's routing: the model's experts and top-k, and the router loss's weight
     (--router_aux_loss_coef, else the config's own); None for a dense model, which refuses the option."""
-    route = routing(model_config)
+    route = routing(model_config, model)
     if route is None and cfg.router_aux_loss_coef is not None:
         family = type(text_config(model_config)).__name__.replace("Config", "")
         raise ConfigError(f"--router_aux_loss_coef: the {family} model has no router (not a mixture-of-experts model)")
@@ -79,7 +80,8 @@ def load_stats(slots: torch.Tensor) -> dict:
 
 
 def sparse_block_classes(model: nn.Module) -> list[type]:
-    """The classes of the model's sparse MoE blocks: the modules holding the experts beside a router."""
+    """The classes of the model's sparse MoE blocks: the modules holding the routed experts (found as
+    the FLOPs count finds them)."""
     return sorted({type(m) for m in model.modules()
-                   if isinstance(getattr(m, "experts", None), nn.Module) and hasattr(m, "gate")},
+                   if any(is_experts(name, child) for name, child in m.named_children())},
                   key=lambda c: c.__name__)

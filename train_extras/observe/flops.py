@@ -99,7 +99,7 @@ def _read(text, names):
     return None, None
 
 
-def _is_experts(name: str, module: nn.Module) -> bool:
+def is_experts(name: str, module: nn.Module) -> bool:
     """A module that holds routed experts: named `experts` (Mixtral, Qwen-MoE, OLMoE, DeepSeek, DBRX...)
     or of a class named ...Experts (JetMoE's ParallelExperts); never a shared expert (run in full)."""
     leaf = name.rsplit(".", 1)[-1]  # by name: GraniteMoeShared's routed experts are a GraniteMoeSharedExperts
@@ -125,7 +125,7 @@ def routed_experts(config, model: nn.Module | None = None) -> dict | None:
     for name, p in model.named_parameters():
         parts = name.split(".")
         for i in range(1, len(parts)):
-            if _is_experts(".".join(parts[:i]), modules[".".join(parts[:i])]):
+            if is_experts(".".join(parts[:i]), modules[".".join(parts[:i])]):
                 if not any(part in ROUTER_NAMES or part.endswith(ROUTER_NAMES) for part in parts[i:-1]):
                     candidates[id(p)] = p
                 break
@@ -169,7 +169,7 @@ def parameter_counts(config, model: nn.Module | None = None) -> dict:
     return {"total": total, "active": total - (moe["inactive"] if moe else 0)}
 
 
-def flops_per_token(config, seq_len: int) -> float:
+def flops_per_token(config, seq_len: int, model: nn.Module | None = None) -> float:
     """Training FLOPs per token, PaLM (appendix B) / nanoGPT: 6N + 12 * L * H * Q * T.
 
     6N: forward (2 FLOPs per multiply-add) plus backward (twice the forward) through the N weights
@@ -177,7 +177,8 @@ def flops_per_token(config, seq_len: int) -> float:
     12*L*H*Q*T: the attention scores and the weighted sum (QK^T and AV) over T positions in L
     layers with H heads of size Q, forward plus backward, not halved for the causal mask
     (flash/SDPA kernels skip the masked half, so this slightly overstates MFU there) nor capped at
-    a sliding window (Mistral-style local attention: overstated for T > window).
+    a sliding window (Mistral-style local attention: overstated for T > window). `model`: the
+    config's meta-device model, if the caller has built it already.
     """
     dims = dimensions(config)
-    return 6 * active_matmul_params(config) + 12 * dims["layers"] * dims["heads"] * dims["head_dim"] * seq_len
+    return 6 * active_matmul_params(config, model) + 12 * dims["layers"] * dims["heads"] * dims["head_dim"] * seq_len
