@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 from common import config, data  # noqa: E402
 from common import model as modeling  # noqa: E402
 from common.files import write_json  # noqa: E402
+from train_extras import documents  # noqa: E402
 from train_extras.options import TrainConfig  # noqa: E402
 
 
@@ -34,8 +35,9 @@ def main(argv=None):
     cfg = config.parse(TrainConfig, argv, recipe="plain_loop.py")  # train.py's options: the same command line
     torch.manual_seed(cfg.seed)
     tokenizer = data.build_tokenizer(cfg)
-    train_set, eval_set = data.build_datasets(cfg, tokenizer)
-    train_loader, _ = data.build_loaders(cfg, train_set, eval_set, pin_memory=False)
+    built = documents.build(cfg, tokenizer)  # train.py's data: document masks, conversations, mixtures
+    train_loader, _ = data.build_loaders(cfg, built.train, built.held_out[next(iter(built.held_out))],
+                                         pin_memory=False)
     model = modeling.build_model(cfg, len(tokenizer))
     optimizer = modeling.build_optimizer(model, cfg, torch.device("cpu"))
     scheduler = modeling.build_scheduler(optimizer, cfg)
@@ -47,7 +49,7 @@ def main(argv=None):
     interval_start, interval_steps = time.perf_counter(), 0
     for step in range(1, cfg.max_steps + 1):
         batch = next(batches)
-        loss = modeling.causal_lm_loss(model, batch["input_ids"], batch["labels"])
+        loss = modeling.causal_lm_loss(model, batch["input_ids"], batch["labels"], "mean", batch.get("position_ids"))
         loss.backward()
         if not bare:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)

@@ -1,10 +1,9 @@
 """Data (docs/data.md): --data_files (.txt split by --txt_documents; .json/.jsonl, .csv, .parquet), --dataset_name
-(Hub or local folder), else tiny Shakespeare from common/corpus/. Held out: --eval_split /
---eval_data_files, else Shakespeare's last 10% (nanoGPT's split) or a fixed 2% of the documents.
-Each document is tokenised as [BOS] + text + EOS (cached by `datasets`) and all are concatenated
-into one token stream on disk (a uint16/uint32 memmap); block i is stream[i*(T+1) : (i+1)*(T+1)]:
-inputs its first T tokens, labels its last T; nothing padded, only the last partial block dropped.
-The loader's order depends on (seed, epoch) only.
+(Hub or local folder), else tiny Shakespeare (common/corpus/). Held out: --eval_split / --eval_data_files,
+else Shakespeare's last 10% (nanoGPT's split) or a fixed 2% of the documents.
+Each document is tokenised as [BOS] + text + EOS (cached by `datasets`), all concatenated into one token
+stream on disk (a uint16/uint32 memmap); block i is stream[i*(T+1) : (i+1)*(T+1)]: inputs its first T tokens,
+labels its last T; nothing padded, the last partial block dropped. The order depends on (seed, epoch) only.
 """
 
 from __future__ import annotations
@@ -59,55 +58,63 @@ def build_tokenizer(cfg):
     return tokenizer
 
 
-def load_documents(cfg, held_out: bool = False):
-    """The raw text as a `datasets.Dataset` with one column, 'text' (held_out: --eval_split or
-    --eval_data_files). Local files load at once: datasets' progress bars are hidden then (they
-    would bury a one-line error); Hub downloads keep them."""
+def load_rows(cfg, held_out: bool = False):
+    """(rows as `datasets` reads them, a name for messages), or (None, None): tiny Shakespeare (held_out:
+    --eval_split / --eval_data_files). Local files hide datasets' bars (they would bury an error line)."""
     import datasets
 
     was_disabled = datasets.utils.are_progress_bars_disabled()
     if cfg.dataset_name is None:
         datasets.utils.disable_progress_bars()
+    given = (cfg.eval_data_files, cfg.eval_split) if held_out else (cfg.data_files, cfg.dataset_split)
     try:
-        return _load_documents(cfg, *((cfg.eval_data_files, cfg.eval_split) if held_out
-                                      else (cfg.data_files, cfg.dataset_split)))
+        return _load_rows(cfg, *given)
     finally:
         if not was_disabled:
             datasets.utils.enable_progress_bars()
 
 
+def load_documents(cfg, held_out: bool = False):
+    """The raw text as a `datasets.Dataset` with one column, 'text' (see load_rows)."""
+    import datasets
+    ds, source = load_rows(cfg, held_out)
+    if ds is None:
+        return datasets.Dataset.from_dict({"text": list(shakespeare_split(cfg.eval_fraction))})
+    return text_documents(ds, cfg.text_column, source)
+
+
 def file_builder(files: list[str], txt_documents: str) -> tuple[str, dict]:
-    """datasets' builder for local files (of one format: config.data_file_list), and its options (its
-    text builder calls a file a "document")."""
+    """datasets' builder for local files of one format (config.data_file_list) and its options."""
     builder = BUILDERS[Path(files[0]).suffix.lower()]
     return builder, {"sample_by": {"file": "document"}.get(txt_documents, txt_documents)} if builder == "text" else {}
 
 
-def _load_documents(cfg, given, split):
+def _load_rows(cfg, given, split):
     import datasets
 
     if given:  # files, folders, globs: as the user gave them in messages
         files, source = data_file_list(given), ", ".join(given)
         builder, kwargs = file_builder(files, cfg.txt_documents)
         try:
-            ds = datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
+            return datasets.load_dataset(builder, data_files=files, split="train", **kwargs), source
         except datasets.exceptions.DatasetGenerationError as err:
             raise ConfigError(f"cannot read {source}: {err.__cause__ or err}") from None
-    elif cfg.dataset_name:
+    if cfg.dataset_name:
         try:
             ds = datasets.load_dataset(cfg.dataset_name, cfg.dataset_config, split=split)
         except Exception as err:  # offline, unknown name or split, bad config: all user-facing
             raise ConfigError(f"cannot load dataset {cfg.dataset_name}: {str(err).splitlines()[0]}") from None
-        source = f"{cfg.dataset_name} ({split})"
-    else:
-        return datasets.Dataset.from_dict({"text": list(shakespeare_split(cfg.eval_fraction))})
+        return ds, f"{cfg.dataset_name} ({split})"
+    return None, None
 
-    if len(ds) > 0:
-        if cfg.text_column not in ds.column_names:
-            raise ConfigError(f"{source}: no column {cfg.text_column!r} (has {ds.column_names}); set --text_column")
-        ds = ds.select_columns([cfg.text_column])
-        if cfg.text_column != "text":
-            ds = ds.rename_column(cfg.text_column, "text")
+
+def text_documents(ds, column: str, source: str):
+    if len(ds) > 0:  # the non-blank texts of `column`, as one column 'text'
+        if column not in ds.column_names:
+            raise ConfigError(f"{source}: no column {column!r} (has {ds.column_names}); set --text_column")
+        ds = ds.select_columns([column])
+        if column != "text":
+            ds = ds.rename_column(column, "text")
         ds = ds.filter(lambda batch: [bool(t and t.strip()) for t in batch["text"]], batched=True)
     if len(ds) == 0:
         raise ConfigError(f"dataset is empty (no non-blank documents): {source}")
@@ -120,8 +127,8 @@ def pack_into_blocks(stream: np.ndarray, block_len: int) -> np.ndarray:
     return stream[: num_blocks * block_len].reshape(num_blocks, block_len)
 
 
-def _token_stream(tokenized, path: Path, dtype) -> np.ndarray:
-    """Concatenate the tokenised documents into one memmapped array on disk (written once)."""
+def token_stream(tokenized, path: Path, dtype, column: str = "input_ids") -> np.ndarray:
+    """Concatenate a column of the tokenised documents into one memmapped array on disk (written once)."""
     if not path.exists():
         total = int(sum(tokenized["length"]))
 
@@ -129,7 +136,7 @@ def _token_stream(tokenized, path: Path, dtype) -> np.ndarray:
             out = np.memmap(tmp, dtype=dtype, mode="w+", shape=(total,))
             offset = 0
             for batch in tokenized.iter(batch_size=1024):
-                for ids in batch["input_ids"]:
+                for ids in batch[column]:
                     out[offset : offset + len(ids)] = ids
                     offset += len(ids)
             out.flush()
@@ -140,15 +147,13 @@ def _token_stream(tokenized, path: Path, dtype) -> np.ndarray:
 
 
 def document_bounds(tokenizer, add_bos: bool = True) -> tuple[list[int], list[int]]:
-    """The ids before and after each document: [BOS] (when the tokenizer has one that is not EOS:
-    GPT-2's and GPT-NeoX's are EOS itself) and [EOS]."""
+    """The ids before and after each document: [BOS] (if it has one that is not EOS, as GPT-2's is) and [EOS]."""
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     return ([bos] if add_bos and bos is not None and bos != eos else []), [eos]
 
 
 def tokenize_documents(docs, tokenizer, name: str, cfg, num_proc: int | None = None):
-    """Token ids of every document, between its bounds (cached by `datasets`), in `num_proc`
-    processes (datasets.map's; None: this one)."""
+    """Token ids of every document, between its bounds (cached by `datasets`), in num_proc processes (None: one)."""
     head, tail = document_bounds(tokenizer, cfg.add_bos)
 
     def tokenize(batch):
@@ -167,7 +172,7 @@ def tokenize_and_stream(docs, tokenizer, name: str, cfg, num_proc: int | None = 
     dtype = np.uint16 if len(tokenizer) <= 65536 else np.uint32  # 2 bytes per token when ids fit
     # The map's fingerprint identifies (source data, tokenizer, function): reuse the stream file.
     cache = Path(datasets.config.HF_DATASETS_CACHE) / "accelerate_recipes" / "streams"
-    return _token_stream(tokenized, cache / f"{tokenized._fingerprint}.{np.dtype(dtype).name}", dtype)
+    return token_stream(tokenized, cache / f"{tokenized._fingerprint}.{np.dtype(dtype).name}", dtype)
 
 
 class PackedBlocks(Dataset):
@@ -204,19 +209,21 @@ class PaddedDocuments(Dataset):
         return {"input_ids": input_ids, "labels": labels, "index": index}
 
 
-def build_datasets(cfg, tokenizer, num_proc: int | None = None):
-    """Train and held-out datasets (PackedBlocks, or PaddedDocuments with --packing false); the
-    held-out part is a fixed set of whole documents. num_proc: processes that tokenise (None: this one)."""
-    docs = load_documents(cfg)
+def split_documents(cfg, docs, load=load_documents) -> dict:
+    """{"train": docs, "test": held-out docs}: a fixed set of whole documents, or load(cfg, held_out=True)."""
     if not cfg.data_files and not cfg.dataset_name:  # Shakespeare: its first 90% and the held-out rest
-        split = {"train": docs.select([0]), "test": docs.select([1])}
-    elif cfg.eval_split or cfg.eval_data_files:
-        split = {"train": docs, "test": load_documents(cfg, held_out=True)}
-    elif len(docs) < 2:
+        return {"train": docs.select([0]), "test": docs.select([1])}
+    if cfg.eval_split or cfg.eval_data_files:
+        return {"train": docs, "test": load(cfg, held_out=True)}
+    if len(docs) < 2:
         raise ConfigError("need at least 2 documents to hold some out for eval (or give a held-out set)")
-    else:
-        split = docs.train_test_split(test_size=cfg.eval_fraction or DEFAULT_EVAL_FRACTION, seed=SPLIT_SEED,
-                                      shuffle=True)
+    return docs.train_test_split(test_size=cfg.eval_fraction or DEFAULT_EVAL_FRACTION, seed=SPLIT_SEED, shuffle=True)
+
+
+def build_datasets(cfg, tokenizer, num_proc: int | None = None):
+    """Train and held-out datasets (PackedBlocks, or PaddedDocuments with --packing false) of
+    split_documents. num_proc: processes that tokenise (None: this one)."""
+    split = split_documents(cfg, load_documents(cfg))
     if not cfg.packing:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return tuple(PaddedDocuments(tokenize_documents(split[part], tokenizer, name, cfg, num_proc), cfg.seq_len,

@@ -121,11 +121,13 @@ def _split_by_mesh(params: list) -> list[list]:
     return list(by_mesh.values()) or [params]
 
 
-def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, reduction: str = "mean"):
+def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, reduction: str = "mean",
+                   position_ids: torch.Tensor | None = None):
     """Next-token cross-entropy. `labels` are already shifted (block[1:]), so we do not pass them
     to the model (Hugging Face models would shift them again). -100 marks ignored positions.
-    Logits are upcast to fp32 for the softmax: bf16 log-probs lose ~3 significant digits."""
-    return token_loss(model(input_ids=input_ids).logits, labels, reduction)
+    Logits are upcast to fp32 for the softmax: bf16 log-probs lose ~3 significant digits. Position ids that
+    restart at each packed document (train.py's --document_mask) keep documents apart (transformers' mask)."""
+    return token_loss(model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits, labels, reduction)
 
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -160,8 +162,8 @@ def evaluate(model, eval_loader, accelerator, max_batches: int = 0) -> dict:
     for i, batch in enumerate(eval_loader):
         if max_batches and i >= max_batches:
             break
-        labels = batch["labels"]
-        per_token = causal_lm_loss(model, batch["input_ids"], labels, reduction="none").view(labels.shape)
+        labels, positions = batch["labels"], batch.get("position_ids")
+        per_token = causal_lm_loss(model, batch["input_ids"], labels, "none", positions).view(labels.shape)
         per_seq = torch.stack([batch["index"].to(per_token.device).double(), per_token.sum(1).double(),
                                (labels != -100).sum(1).double()], dim=1)
         rows.append(accelerator.gather(per_seq))

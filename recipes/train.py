@@ -23,7 +23,10 @@ mixed precision from the launch config (no / bf16 / fp16 with a GradScaler whose
 hold the schedule); gradient accumulation with the loss normalised by the step's target tokens
 over all micro-batches and ranks; clipping on the full gradient (pre-clip norm logged); NaN/inf
 losses skipped, counted, and fatal after --max_nonfinite_steps in a row; four LR schedules;
-held-out eval; gradient checkpointing; pretrained start; resumable, atomic, rotated checkpoints
+held-out eval; data as text or conversations (chat template, loss on the assistant's tokens),
+packed with document masks (positions restart, no attention across documents), from one source
+or a weighted mixture with a held-out loss per source (train_extras/documents.py, conversations.py,
+mixture.py); gradient checkpointing; pretrained start; resumable, atomic, rotated checkpoints
 with exact resume; fused AdamW; tqdm bar with loss, lr and tokens/s on a terminal, one plain line
 per interval in a log file; <output_dir>/metrics.jsonl appended as the run goes. Preemption
 (SIGTERM/SIGUSR1 on any rank): every rank finishes the step, a checkpoint and
@@ -44,6 +47,7 @@ import dataclasses
 import sys
 from datetime import timedelta
 
+import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import (DistributedType, GradientAccumulationPlugin, GradScalerKwargs,
@@ -52,7 +56,7 @@ from accelerate.utils import (DistributedType, GradientAccumulationPlugin, GradS
 from common import config, data, guard
 from common import model as modeling
 from common.export import export_pretrained
-from train_extras import data_at_scale, moe
+from train_extras import conversations, data_at_scale, documents, mixture, moe
 from train_extras.observe import flops, metrics, run_record
 from train_extras.observe.run_record import RunRecord
 from train_extras.observe.sampling import sample_text
@@ -76,7 +80,7 @@ def main(argv=None):
     run.saved["tracker_run"] = record.start_trackers(resume_meta)
     start = restore(run, record, resume_path, resume_meta)
     if cfg.eval_only:  # the model as it is, on the held-out data: nothing trains or is saved
-        result = modeling.evaluate(run.model, run.eval_loader, accelerator, cfg.eval_batches)
+        result = mixture.evaluate(run.model, run.eval_loaders, accelerator, cfg.eval_batches)
         record.evaluated_only(start.step, result)
         return end(accelerator)
 
@@ -188,10 +192,12 @@ def model_facts(cfg, accelerator, vocab_size: int) -> ModelFacts:
 @dataclasses.dataclass
 class TrainData:
     train_set: object
-    eval_set: object
+    eval_sets: dict  # {source name: held-out set}; one source: {"": its held-out set}
     train_loader: object
-    eval_loader: object
+    eval_loaders: dict  # as eval_sets
     identity: dict  # what the data options resolved to: kept in checkpoints, checked on resume
+    kind: str  # "text", "conversations" or "mixed" (a mixture of both)
+    facts: dict  # conversations' fates, a mixture's shares (documents.Datasets.facts)
 
 
 def prepare_data(cfg, accelerator, tokenizer, facts: ModelFacts, resume_path,
@@ -205,21 +211,27 @@ def prepare_data(cfg, accelerator, tokenizer, facts: ModelFacts, resume_path,
         if cfg.streaming:
             train_set = data_at_scale.StreamedBlocks(cfg, tokenizer, rank=accelerator.process_index,
                                                      world_size=accelerator.num_processes)
-            eval_set = data_at_scale.held_out_set(cfg, tokenizer)
-        else:
-            num_proc = cfg.dataset_num_proc  # processes that tokenise
-            train_set, eval_set = data.build_datasets(cfg, tokenizer, num_proc=num_proc)
-    identity = checkpoint.data_identity(cfg, None if cfg.streaming else len(train_set))
+            built = documents.Datasets(train_set, {"": data_at_scale.held_out_set(cfg, tokenizer)},
+                                       "text", {})
+        else:  # text or conversations, from one source or a mixture
+            built = documents.build(cfg, tokenizer, num_proc=cfg.dataset_num_proc)
+    train_set, eval_sets = built.train, built.held_out
+    identity = {**checkpoint.data_identity(cfg, None if cfg.streaming else len(train_set)),
+                **documents.identity(cfg, tokenizer, built.kind)}
     if resume_meta is not None and not cfg.eval_only:  # a file rewritten in place
         checkpoint.check_same_data(resume_path, resume_meta, identity)
     pin_memory = accelerator.device.type == "cuda"
-    if cfg.streaming:
-        loaders = data_at_scale.streamed_loaders(cfg, train_set, eval_set, pin_memory=pin_memory)
-    else:  # --eval_only trains nothing: its training set may hold less than a batch per rank
-        loaders = data.build_loaders(cfg, train_set, eval_set, pin_memory=pin_memory,
-                                     trains=not cfg.eval_only)
-    train_loader, eval_loader = loaders
-    return TrainData(train_set, eval_set, train_loader, eval_loader, identity)
+    loaders = {}
+    for name, eval_set in eval_sets.items():
+        if cfg.streaming:
+            loaders[name] = data_at_scale.streamed_loaders(cfg, train_set, eval_set, pin_memory)
+        else:  # --eval_only trains nothing: its training set may hold less than a batch per rank
+            loaders[name] = data.build_loaders(cfg, train_set, eval_set, pin_memory=pin_memory,
+                                               trains=not cfg.eval_only)
+    train_loader = next(iter(loaders.values()))[0]
+    eval_loaders = {name: pair[1] for name, pair in loaders.items()}
+    return TrainData(train_set, eval_sets, train_loader, eval_loaders, identity, built.kind,
+                     built.facts)
 
 
 def start_record(cfg, accelerator, train_data: TrainData, facts: ModelFacts) -> RunRecord:
@@ -228,7 +240,8 @@ def start_record(cfg, accelerator, train_data: TrainData, facts: ModelFacts) -> 
     with secrets removed, as trackers get them."""
     setup = config.setup_facts(cfg, accelerator, options=redact(dataclasses.asdict(cfg)))
     peak = metrics.peak_flops(accelerator)  # per device, for MFU (measured on a CPU: ~0.7 s)
-    train_set, eval_set = train_data.train_set, train_data.eval_set
+    train_set, eval_sets = train_data.train_set, train_data.eval_sets
+    eval_count = sum(len(eval_set) for eval_set in eval_sets.values())
     flops_per_token, route = facts.flops_per_token, facts.route
     if accelerator.is_main_process:
         print(config.describe_setup(setup, {
@@ -238,15 +251,18 @@ def start_record(cfg, accelerator, train_data: TrainData, facts: ModelFacts) -> 
             "peak for MFU": (f"{peak['tflops']:.3g} TFLOP/s per device, {peak['source']}"
                              if peak["tflops"] else f"unknown ({peak['source']}): no MFU"),
             "data": f"{'streamed' if cfg.streaming else len(train_set)} train / "
-                    f"{len(eval_set)} held-out " + (f"blocks of {cfg.seq_len + 1} tokens"
-                                                    if cfg.packing else "documents, padded"),
+                    f"{eval_count} held-out " + (f"blocks of {cfg.seq_len + 1} tokens"
+                                                 if cfg.packing else "documents, padded")
+                    + (", documents masked apart" if cfg.packing and cfg.document_mask else ""),
+            **documents.describe(train_data.facts),  # conversations dropped, a mixture's shares
             **tensor_parallel.describe_mesh(accelerator),  # HSDP: dp_replicate x dp_shard
             **({"experts": f"{route['experts']}, top-{route['top_k']} per token; "
                            f"router loss weight {route['coef']:g}"} if route else {}),
         }), flush=True)
+    held_out_tokens = [metrics.token_stream(eval_set) for eval_set in eval_sets.values()]
     data_facts = {"train_blocks": None if cfg.streaming else len(train_set),
-                  "eval_blocks": len(eval_set),
-                  "eval_bigram_entropy": metrics.bigram_entropy(metrics.token_stream(eval_set))}
+                  "eval_blocks": eval_count, "kind": train_data.kind, **train_data.facts,
+                  "eval_bigram_entropy": metrics.bigram_entropy(np.concatenate(held_out_tokens))}
     tokens_per_step = (cfg.micro_batch_size * cfg.seq_len * cfg.gradient_accumulation_steps
                        * config.data_parallel_size(accelerator))  # ranks with batches of their own
     return RunRecord(accelerator, cfg, setup, peak=peak, data=data_facts,
@@ -265,7 +281,8 @@ class Run:
     scheduler: object
     tokenizer: object
     train_loader: object
-    eval_loader: object
+    eval_loaders: dict  # {source name: loader}; one source: {"": its loader}
+    sample_prompt: str  # conversations: a user message through the chat template
     tp_layout: dict | None  # {"dp_shard": M, "tp": N} under tensor parallelism
     route: dict | None  # a mixture-of-experts model's experts, top-k and router-loss weight
     saved: dict  # what every checkpoint.json records besides the step and the data position
@@ -290,16 +307,17 @@ def build(cfg, accelerator, tokenizer, train_data: TrainData, facts: ModelFacts,
     deepspeed_settings.gather_moe_blocks_whole(accelerator, model)  # ZeRO-3: experts gathered whole
     optimizer = modeling.build_optimizer(model, cfg, accelerator.device)
     scheduler = modeling.build_scheduler(optimizer, cfg)
-    train_loader, eval_loader = train_data.train_loader, train_data.eval_loader
+    train_loader, names = train_data.train_loader, list(train_data.eval_loaders)
+    eval_loaders = list(train_data.eval_loaders.values())
     if tp_layout:  # accelerate takes TP models from transformers' tp_plan only: not the model
-        train_loader, eval_loader, scheduler = accelerator.prepare(
-            train_loader, eval_loader, scheduler)
+        train_loader, *eval_loaders, scheduler = accelerator.prepare(
+            train_loader, *eval_loaders, scheduler)
     elif cfg.streaming:  # a streamed loader stays ours: each rank already reads its own part
-        model, optimizer, eval_loader, scheduler = accelerator.prepare(
-            model, optimizer, eval_loader, scheduler)
+        model, optimizer, *eval_loaders, scheduler = accelerator.prepare(
+            model, optimizer, *eval_loaders, scheduler)
     else:
-        model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
-            model, optimizer, train_loader, eval_loader, scheduler)
+        model, optimizer, train_loader, *eval_loaders, scheduler = accelerator.prepare(
+            model, optimizer, train_loader, *eval_loaders, scheduler)
     active = parameters - facts.inactive_parameters  # MoE: a token goes through top-k experts
     record.model(parameters, active, metrics.compiled_regions(model))
     setup = record.summary["setup"]
@@ -307,8 +325,11 @@ def build(cfg, accelerator, tokenizer, train_data: TrainData, facts: ModelFacts,
              "data": train_data.identity, "config": dataclasses.asdict(cfg),
              "setup": {k: setup[k] for k in ("distributed_type", "world_size", "data_parallel_size",
                                              "tensor_parallel_size", "mixed_precision")}}
-    return Run(cfg, accelerator, model, optimizer, scheduler, tokenizer, train_loader, eval_loader,
-               tp_layout, facts.route, saved)
+    prompt = cfg.sample_prompt
+    if train_data.kind != "text":  # conversations: the model's answer to a user message
+        prompt = conversations.sample_prompt(tokenizer, cfg.sample_message)
+    return Run(cfg, accelerator, model, optimizer, scheduler, tokenizer, train_loader,
+               dict(zip(names, eval_loaders)), prompt, tp_layout, facts.route, saved)
 
 
 @dataclasses.dataclass
@@ -416,13 +437,14 @@ def forward_backward(run: Run, micro_batches: list, watch, record: RunRecord):
         if run.tp_layout and run.tp_layout["dp_shard"] > 1:  # our fully_shard: not accelerate's
             model.set_requires_gradient_sync(i == accumulation - 1)
         with accelerator.accumulate(model):  # no gradient all-reduce before the last micro-batch
+            positions = batch.get("position_ids")  # --document_mask: restart at each document
             if run.route is None:
                 micro_sum = modeling.causal_lm_loss(model, batch["input_ids"], batch["labels"],
-                                                    reduction="sum")
+                                                    "sum", positions)
                 accelerator.backward(micro_sum * scale)
             else:  # the aux loss is a mean per micro-batch: backward's own scaling averages it
                 micro_sum, aux, slots = moe.losses(model, batch["input_ids"], batch["labels"],
-                                                   run.route)
+                                                   run.route, positions)
                 accelerator.backward(micro_sum * scale + run.route["coef"] * aux)
                 aux_sum += aux.detach()
                 record.expert_slots(slots)
@@ -453,7 +475,7 @@ def update(run: Run, overflow: "OverflowSkips"):
 
 def evaluate(run: Run, record: RunRecord, step: int) -> None:
     cfg = run.cfg
-    result = modeling.evaluate(run.model, run.eval_loader, run.accelerator, cfg.eval_batches)
+    result = mixture.evaluate(run.model, run.eval_loaders, run.accelerator, cfg.eval_batches)
     record.eval(step, result)
     if cfg.sample_at_eval and cfg.sample_length:
         sample(run, record, step)
@@ -462,8 +484,8 @@ def evaluate(run: Run, record: RunRecord, step: int) -> None:
 def sample(run: Run, record: RunRecord, step: int) -> None:
     """What the model writes now: read it to judge the run, not only its loss."""
     cfg = run.cfg
-    record.sample(step, sample_text(run.accelerator, run.model, run.tokenizer, cfg.sample_prompt,
-                                    cfg.sample_length, cfg.seed))
+    record.sample(step, run.sample_prompt, sample_text(run.accelerator, run.model, run.tokenizer,
+                                                       run.sample_prompt, cfg.sample_length, cfg.seed))
 
 
 def save(run: Run, record: RunRecord, step: int, micro_batches_done: int):

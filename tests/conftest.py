@@ -197,6 +197,21 @@ def train_run(tmp_path_factory, hf_home):
 
 
 @pytest.fixture(scope="session")
+def train_run_unmasked(tmp_path_factory, hf_home):
+    """train.py without document masks (--document_mask false): the 1-process reference of the
+    focused recipes, which pack documents without masks (docs/data.md#document-masks)."""
+    out = tmp_path_factory.mktemp("train_debug_unmasked")
+    args = CORE_DEBUG_ARGS + ["--sample_length", "0", "--save_model", "false", "--document_mask", "false"]
+    return Run(out, launch("train.py", args + ["--output_dir", str(out)], hf_home))
+
+
+def reference_run(recipe: str, train_run: Run, train_run_unmasked: Run) -> Run:
+    """The 1-process run a recipe's losses must equal: train.py's own (document masks on), or for a
+    focused recipe, which packs without masks, train.py's with --document_mask false."""
+    return train_run if recipe == "train.py" else train_run_unmasked
+
+
+@pytest.fixture(scope="session")
 def train_run_again(tmp_path_factory, hf_home, train_run):
     """The same command again (after train_run, so it also shows the tokenised cache is reused)."""
     out = tmp_path_factory.mktemp("train_debug_again")

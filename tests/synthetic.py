@@ -84,3 +84,57 @@ def save_bos_tokenizer(folder: Path) -> Path:
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
                             pad_token="<pad>").save_pretrained(folder)
     return folder
+
+
+# A chat template with generation markers around what the assistant writes (its content and the
+# end of its turn), so that transformers' marker route and the prefix-difference route must agree.
+CHAT_TEMPLATE = (
+    "{% if bos_token %}{{ bos_token }}{% endif %}{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}<|assistant|>\n{% generation %}{{ message['content'] }}<|end|>"
+    "{% endgeneration %}{% else %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+CHAT_SPECIALS = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+
+
+def synthetic_conversations(num_conversations: int, seed: int = SYNTHETIC_SEED) -> list[list[dict]]:
+    """Multi-turn conversations in the toy language: a system message, then 1-3 exchanges where
+    the user gives the start of a toy document and the assistant goes on with its next sentence."""
+    rng = random.Random(seed + 1)
+    docs = synthetic_documents(num_conversations * 3, seed)
+    conversations = []
+    for i in range(num_conversations):
+        messages = [{"role": "system", "content": "You continue toy text."}]
+        for doc in docs[3 * i: 3 * i + 1 + int(rng.random() * 3)]:
+            sentences = doc.strip().split(". ")
+            messages += [{"role": "user", "content": sentences[0] + "."},
+                         {"role": "assistant", "content": sentences[1].rstrip(".") + "."}]
+        conversations.append(messages)
+    return conversations
+
+
+def conversations_file(folder: Path, num_conversations: int, name: str = "chat.jsonl", seed: int = 0) -> str:
+    path = folder / name
+    with open(path, "w") as f:
+        for messages in synthetic_conversations(num_conversations, seed):
+            f.write(json.dumps({"id": len(messages), "messages": messages}) + "\n")
+    return str(path)
+
+
+def save_chat_tokenizer(folder: Path, template: str | None = CHAT_TEMPLATE) -> Path:
+    """A byte-level BPE tokenizer (trained with `tokenizers` on toy documents) with BOS, EOS, the
+    chat roles' special tokens and (unless None) CHAT_TEMPLATE, saved as a Hugging Face folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>", "<pad>", *CHAT_SPECIALS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(synthetic_documents(300), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   additional_special_tokens=CHAT_SPECIALS)
+    if template is not None:
+        fast.chat_template = template
+    fast.save_pretrained(folder)
+    return folder

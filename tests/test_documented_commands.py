@@ -19,6 +19,7 @@ from common.data import build_tokenizer
 from common.model import build_model
 from conftest import ACCELERATE, ROOT, launch_env
 from documented import CpuCommand, distinct_cpu_commands, documented_lines, expected_precision
+from synthetic import CHAT_TEMPLATE, conversations_file
 from train_extras.options import TrainConfig
 
 STEPS = ["--max_steps", "2", "--warmup_steps", "1"]
@@ -36,9 +37,10 @@ def test_the_documented_lines_are_found():
     sources = {line.source.split(":")[0] for line in documented_lines()}
     configs = {f"accelerate_configs/{p.name}" for p in (ROOT / "accelerate_configs").glob("*.yaml")}
     recipes = {f"recipes/{p.name}" for p in (ROOT / "recipes").glob("*.py")} - {"recipes/generate.py"}
-    assert configs | recipes | {"README.md", "configs/finetune.yaml", "configs/pretrain_shakespeare.yaml"} <= sources
+    assert configs | recipes | {"README.md", "configs/finetune.yaml", "configs/pretrain_shakespeare.yaml",
+                                "configs/sft.yaml"} <= sources
     # Every line: a new documented line changes this count, and the finder must see it.
-    assert len(documented_lines()) == 66, [line.source for line in documented_lines()]
+    assert len(documented_lines()) == 67, [line.source for line in documented_lines()]
 
 
 def _workspace(folder):
@@ -61,8 +63,12 @@ def _prepare(command: CpuCommand, folder) -> None:
         subprocess.run(copy, shell=True, cwd=folder, check=True)
     for flag in ("--data_files", "--eval_data_files"):
         if flag in args and not (folder / args[args.index(flag) + 1]).exists():
+            name = args[args.index(flag) + 1]
+            if name.endswith(".jsonl"):  # a user's conversations, as docs/data.md#conversations shows them
+                conversations_file(folder, 200, name=name)
+                continue
             lines = [f"{flag} line {i}: the quick brown fox jumps over the lazy dog." for i in range(400)]
-            (folder / args[args.index(flag) + 1]).write_text("\n".join(lines) + "\n")
+            (folder / name).write_text("\n".join(lines) + "\n")
     if "--model_name_or_path" in args:
         # The line's Hub id as a local folder of that name (transformers reads a local folder first):
         # a debug Llama with the byte tokenizer and Qwen2.5's 32k context; every family is tested in
@@ -73,7 +79,9 @@ def _prepare(command: CpuCommand, folder) -> None:
             model = build_model(TrainConfig(preset="debug"), 259)
             model.config.max_position_embeddings = 32768
             model.save_pretrained(path)
-            build_tokenizer(TrainConfig()).save_pretrained(path)
+            tokenizer = build_tokenizer(TrainConfig())
+            tokenizer.chat_template = CHAT_TEMPLATE  # for a line that trains it on conversations
+            tokenizer.save_pretrained(path)
 
 
 def _free_port() -> int:

@@ -103,13 +103,21 @@ class StreamedBlocks(IterableDataset):
                 yield text
 
     def __iter__(self):
-        block_len, pending, made = self.cfg.seq_len + 1, [], 0
+        from train_extras.documents import restart_positions
+
+        block_len, pending, starts, made = self.cfg.seq_len + 1, [], [], 0  # starts: of documents, in pending
         for text in self.documents():
+            starts.append(len(pending))
             pending.extend(self.head + self.tokenizer(text, add_special_tokens=False)["input_ids"] + self.tail)
             while len(pending) >= block_len:
                 block = torch.from_numpy(np.asarray(pending[:block_len], dtype=np.int64))
+                item = {"input_ids": block[:-1], "labels": block[1:], "index": self.rank + self.world_size * made}
+                if self.cfg.document_mask:  # as documents.DocumentBlocks: positions restart at each document
+                    positions = restart_positions(np.asarray(starts, dtype=np.int64), 0, block_len - 1)
+                    item["position_ids"] = torch.from_numpy(positions)
                 del pending[:block_len]
-                yield {"input_ids": block[:-1], "labels": block[1:], "index": self.rank + self.world_size * made}
+                starts = [0] + [start - block_len for start in starts if start > block_len]
+                yield item
                 made += 1
 
 

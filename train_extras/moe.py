@@ -53,10 +53,11 @@ def route_for(cfg, model_config, model: nn.Module | None = None) -> dict | None:
     return route
 
 
-def losses(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, route: dict):
+def losses(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, route: dict,
+           position_ids: torch.Tensor | None = None):
     """(token-summed language-model loss, the family's load-balancing loss, routing slots per layer
     and expert as a (layers, E) tensor) of one micro-batch; nothing leaves the device."""
-    out = model(input_ids=input_ids, output_router_logits=True)
+    out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, output_router_logits=True)
     return token_loss(out.logits, labels, "sum"), out.aux_loss, expert_slots(out.router_logits, route)
 
 

@@ -146,6 +146,54 @@ class DataAtScaleOptions:
 
 
 @dataclass
+class DocumentOptions:
+    """What a training document is: text or a conversation, packed apart from its neighbours, from
+    one source or a mixture (train_extras/documents.py, conversations.py, mixture.py)."""
+    chat_column: str | None = field(
+        default=None, metadata={"help": "Column of conversations (lists of {role, content} messages), rendered by "
+                                        "the tokenizer's chat template with the loss on the assistant's tokens only. "
+                                        "Default: a column of that shape, if the data has one."})
+    chat_template: str | None = field(
+        default=None, metadata={"help": "A Jinja chat template file, for a tokenizer without one (or to replace its "
+                                        "own); the export keeps it."})
+    overlong: Literal["drop", "truncate"] = field(
+        default="drop", metadata={"help": "A conversation longer than --seq_len + 1 tokens: left out, or cut to it "
+                                          "(either is counted in the setup block)."})
+    document_mask: bool = field(
+        default=True, metadata={"help": "Packing: no token attends to another document of its block, and positions "
+                                        "restart at each document (position ids; transformers' block-diagonal mask "
+                                        "for SDPA and eager). false = every token sees its whole block."})
+    data_mixture: str | None = field(
+        default=None, metadata={"help": "A YAML file of sources (each with its data options, a weight and a name) "
+                                        "drawn by weight; each source's held-out loss is logged apart."})
+    sample_message: str = field(
+        default="Hello! What can you tell me about yourself?",
+        metadata={"help": "Conversations: the user message the end-of-run sample answers (through the chat "
+                          "template), instead of continuing --sample_prompt."})
+
+    def check(self):
+        import os
+
+        if self.chat_template and not os.path.isfile(self.chat_template):
+            raise ConfigError(f"chat template file not found: {self.chat_template}")
+        if self.data_mixture:
+            from train_extras import mixture
+
+            given = [f"--{name}" for name in mixture.SOURCE_OPTIONS
+                     if getattr(self, name) != self.__dataclass_fields__[name].default]
+            if given:
+                raise ConfigError(f"--data_mixture names its sources' data options itself: not with {', '.join(given)}")
+            mixture.read(self.data_mixture)
+        if self.streaming and (self.data_mixture or self.chat_column):
+            raise ConfigError("--streaming streams text from one source: not with --data_mixture or --chat_column")
+        flash = self.attn_implementation.startswith("flash")
+        if flash and self.document_mask and self.packing and self.micro_batch_size > 1:
+            raise ConfigError(f"--attn_implementation {self.attn_implementation} keeps packed documents apart only "
+                              "in a batch of one row (its varlen path): use --micro_batch_size 1, sdpa, or "
+                              "--document_mask false")
+
+
+@dataclass
 class MixtureOfExpertsOptions:
     router_aux_loss_coef: float | None = field(
         default=None,
@@ -159,9 +207,10 @@ class MixtureOfExpertsOptions:
 
 @dataclass
 class TrainConfig(CompileOptions, SampleOptions, TrackingOptions, CheckpointOptions, Fp16Options,
-                  AccumulationOptions, MixtureOfExpertsOptions, RecipeConfig, DataAtScaleOptions, FineTuneOptions):
+                  AccumulationOptions, MixtureOfExpertsOptions, RecipeConfig, DocumentOptions, DataAtScaleOptions,
+                  FineTuneOptions):
     """Every option of train.py: --help lists the groups from the last base to the first."""
     # FineTuneOptions' check first: it sets --warmup_steps from --warmup_ratio, which OptimizerOptions' checks.
-    check_order = (FineTuneOptions, DataAtScaleOptions, ModelOptions, DataOptions, OptimizerOptions,
+    check_order = (FineTuneOptions, DataAtScaleOptions, ModelOptions, DataOptions, DocumentOptions, OptimizerOptions,
                    MixtureOfExpertsOptions, AccumulationOptions, Fp16Options, CheckpointOptions, TrackingOptions,
                    SampleOptions)

@@ -198,14 +198,18 @@ class RunRecord:
 
     # ---- evals and samples ----
     def eval(self, step: int, result: dict) -> None:
+        """A mixture's result also holds each source's ("sources": {name: result}): eval/<name>/loss."""
         self.summary["eval"].append({"step": step, **result})
-        self.accelerator.log({"eval/loss": result["loss"], "eval/perplexity": result["perplexity"]}, step=step)
+        sources = result.get("sources", {})
+        self.accelerator.log({"eval/loss": result["loss"], "eval/perplexity": result["perplexity"],
+                              **{f"eval/{name}/{key}": r[key] for name, r in sources.items()
+                                 for key in ("loss", "perplexity")}}, step=step)
         self.metrics.write([{"kind": "eval", "step": step, **result, "time": now()}])
         if self.main:
-            tqdm.write(f"step {step}: eval loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f}")
+            apart = "".join(f"  {name} {r['loss']:.4f}" for name, r in sources.items())
+            tqdm.write(f"step {step}: eval loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f}{apart}")
 
-    def sample(self, step: int, text: str) -> None:
-        prompt = self.cfg.sample_prompt
+    def sample(self, step: int, prompt: str, text: str) -> None:
         self.summary["samples"].append({"step": step, "prompt": prompt, "text": text})
         if self.main:
             tqdm.write(f"step {step}: sample ({self.cfg.sample_length} tokens from {prompt!r}):\n{text}\n")

@@ -212,7 +212,8 @@ REPLICATED = ("NO", "MULTI_CPU", "MULTI_GPU")
 # (--data_files and --eval_data_files: as the files they resolve to, see data_identity.)
 TRAINED_ON = ("seed", "seq_len", "preset", "model_name_or_path", "tokenizer_name_or_path", "dataset_name",
               "dataset_config", "dataset_split", "eval_split", "txt_documents", "text_column", "eval_fraction",
-              "add_bos", "packing", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps")
+              "add_bos", "packing", "chat_column", "overlong", "document_mask", "weight_decay", "adam_beta1",
+              "adam_beta2", "adam_eps")
 # What a resumed run may change, applied from its first step and recorded as applied; every other
 # option changes nothing that was trained (cadences of logs, samples, trackers, timeouts, export).
 APPLIED_ON_RESUME = ("lr", "lr_schedule", "warmup_steps", "warmup_ratio", "min_lr_ratio", "decay_fraction", "max_steps",
@@ -220,7 +221,7 @@ APPLIED_ON_RESUME = ("lr", "lr_schedule", "warmup_steps", "warmup_ratio", "min_l
 
 # What makes a stream the same stream: a resumed streamed run skips that many blocks of it.
 STREAM_IDENTITY = ("data_files", "dataset_name", "dataset_config", "dataset_split", "text_column", "txt_documents",
-                   "add_bos", "seq_len", "seed", "tokenizer_name_or_path", "model_name_or_path")
+                   "add_bos", "seq_len", "seed", "tokenizer_name_or_path", "model_name_or_path", "document_mask")
 
 
 @same_on_every_rank()  # every rank reads the same files and options
@@ -314,12 +315,18 @@ def data_identity(cfg, train_blocks: int | None) -> dict:
 @same_on_every_rank()  # every rank reads the same files and options
 def check_same_data(path, meta: dict, data: dict) -> None:
     """The same files can hold other data (rewritten in place): refused when the number of training
-    blocks differs from the checkpoint's. (The files themselves: check_compatible, before any work.)"""
+    blocks differs from the checkpoint's, or the chat template or a mixture's sources do. (The files
+    themselves: check_compatible, before any work.)"""
     saved = meta.get("data")
-    if saved is not None and saved["train_blocks"] != data["train_blocks"]:
-        raise ConfigError(f"{Path(path) / METADATA} was trained on other data: {saved['train_blocks']} training "
-                          f"blocks, this run has {data['train_blocks']} from the same options; resume on the same "
-                          "data, or start afresh in another --output_dir")
+    if saved is None:
+        return
+    differs = {"train_blocks": f"{saved['train_blocks']} training blocks, this run has {data['train_blocks']}",
+               "chat_template_sha256": "another chat template rendered its conversations",
+               "mixture": "its data mixture was another (sources, files or weights)"}
+    for key, what in differs.items():
+        if saved.get(key) != data.get(key):
+            raise ConfigError(f"{Path(path) / METADATA} was trained on other data: {what} from the same options; "
+                              "resume on the same data, or start afresh in another --output_dir")
 
 
 def resume_changes(meta: dict, cfg) -> dict:

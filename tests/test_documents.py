@@ -1,0 +1,399 @@
+"""What a training document is (issue 32): conversations with the loss on the assistant's tokens
+only, packed documents that cannot see each other (document masks), and mixtures of sources.
+
+In-process: the labels of conversations against a render made here without the template, the two
+ways of finding the assistant's tokens, the position ids of packed and streamed blocks, the
+mixture's shares and its file's errors. Launched: conversations and a mixture, each trained and
+resumed (train.py on cpu.yaml); the document-mask check under cpu.yaml, ddp.yaml and fsdp.yaml
+(tests/scripts/document_mask.py)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from common.config import ConfigError
+from common.data import build_tokenizer
+from conftest import ROOT, SYNTHETIC, Run, check_exact_resume, launch, launch_two_processes, parse_train
+from synthetic import CHAT_TEMPLATE, conversations_file, save_chat_tokenizer, synthetic_conversations
+from train_extras import conversations, documents, mixture
+from train_extras.resume import checkpoint
+
+SEQ = 128
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory):
+    """A tokenizer with a chat template, one without, and a JSONL of 600 multi-turn conversations."""
+    folder = tmp_path_factory.mktemp("chat")
+    save_chat_tokenizer(folder / "tokenizer")
+    save_chat_tokenizer(folder / "no_template", template=None)
+    (folder / "template.jinja").write_text(CHAT_TEMPLATE)
+    return {"folder": folder, "tokenizer": str(folder / "tokenizer"), "no_template": str(folder / "no_template"),
+            "data": conversations_file(folder, 600), "template": str(folder / "template.jinja")}
+
+
+def build(argv):
+    cfg = parse_train(argv)
+    tokenizer = build_tokenizer(cfg)
+    return cfg, tokenizer, documents.build(cfg, tokenizer)
+
+
+def independent_render(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """The conversation as CHAT_TEMPLATE lays it out, assembled here piece by piece (no Jinja):
+    (token ids, 1 on what the assistant writes: its content and its end-of-turn)."""
+    pieces = [(tokenizer.bos_token, 0)]
+    for message in messages:
+        mine = message["role"] == "assistant"
+        pieces += [(f"<|{message['role']}|>\n", 0), (message["content"] + "<|end|>", int(mine))]
+    ids, mask = [], []
+    for text, target in pieces:
+        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += piece
+        mask += [target] * len(piece)
+    return ids, mask
+
+
+# ---- conversations, in-process ----
+
+def test_the_template_markers_and_the_prefix_differences_agree(chat):
+    """Both ways of finding the assistant's tokens, on a template that has both, for every conversation."""
+    tokenizer = AutoTokenizer.from_pretrained(chat["tokenizer"])
+    assert conversations.GENERATION_MARKER.search(tokenizer.chat_template)
+    for messages in synthetic_conversations(600):
+        by_markers = conversations.by_markers(tokenizer, messages)
+        assert conversations.by_prefixes(tokenizer, messages) == by_markers
+        assert by_markers == independent_render(tokenizer, messages)
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_labels_are_minus_100_exactly_where_the_next_token_is_not_the_assistants(chat, packing):
+    """Token by token over the whole training set: every block (packed) or row (one per
+    conversation) against the independent render of the conversations in the training split."""
+    cfg, tokenizer, built = build(["--tokenizer_name_or_path", chat["tokenizer"], "--data_files", chat["data"],
+                                   "--seq_len", str(SEQ), "--packing", str(packing).lower()])
+    assert built.kind == "conversations"
+    source = documents.load_source(cfg)
+    rendered = [independent_render(tokenizer, conversations.clean(m)) for m in source.train["messages"]]
+    kept = [(ids, mask) for ids, mask in rendered if len(ids) <= SEQ + 1]  # --overlong drop (the default)
+    assert built.facts["conversations"] == {"kept": len(kept), "truncated": 0,
+                                            "dropped_overlong": len(rendered) - len(kept),
+                                            "dropped_no_assistant_token": 0}
+    assert 0 < len(rendered) - len(kept) < len(kept)  # some were dropped, most kept
+    if packing:
+        stream = np.concatenate([ids for ids, _ in kept])
+        targets = np.concatenate([mask for _, mask in kept])
+        assert len(built.train) == len(stream) // (SEQ + 1)
+        for index in range(len(built.train)):
+            block = slice(index * (SEQ + 1), (index + 1) * (SEQ + 1))
+            expected = np.where(targets[block][1:] == 1, stream[block][1:], -100)
+            item = built.train[index]
+            assert item["input_ids"].tolist() == stream[block][:-1].tolist()
+            assert item["labels"].tolist() == expected.tolist(), index
+    else:
+        assert len(built.train) == len(kept)
+        for index, (ids, mask) in enumerate(kept):
+            item = built.train[index]
+            labels = [t if m else -100 for t, m in zip(ids[1:], mask[1:])]
+            assert item["labels"].tolist() == labels + [-100] * (SEQ - len(labels)), index
+    # the held-out conversations are scored on the assistant's tokens only, too
+    held_out = built.held_out[""][0]
+    assert (held_out["labels"] == -100).any() and (held_out["labels"] != -100).any()
+
+
+def test_overlong_conversations_are_truncated_when_asked(chat):
+    _, tokenizer, dropped = build(["--tokenizer_name_or_path", chat["tokenizer"], "--data_files", chat["data"],
+                                   "--seq_len", "64", "--packing", "false"])
+    _, _, truncated = build(["--tokenizer_name_or_path", chat["tokenizer"], "--data_files", chat["data"],
+                             "--seq_len", "64", "--packing", "false", "--overlong", "truncate"])
+    drop, cut = dropped.facts["conversations"], truncated.facts["conversations"]
+    assert drop["dropped_overlong"] == cut["truncated"] > 0 and drop["kept"] == cut["kept"]
+    assert len(truncated.train) == cut["kept"] + cut["truncated"]  # every truncated one still has an answer
+    assert "truncated" in conversations.describe(cut) and cut["dropped_no_assistant_token"] == 0
+
+
+def test_a_tokenizer_without_a_chat_template_is_one_line_and_a_template_file_supplies_one(chat):
+    argv = ["--tokenizer_name_or_path", chat["no_template"], "--data_files", chat["data"], "--seq_len", str(SEQ)]
+    with pytest.raises(ConfigError, match="no chat template to render them: give one with --chat_template") as err:
+        build(argv)
+    assert "\n" not in str(err.value)
+    _, _, built = build(argv + ["--chat_template", chat["template"]])
+    assert built.kind == "conversations" and len(built.train) > 0
+    with pytest.raises(ConfigError, match="chat template file not found: nowhere.jinja"):
+        parse_train(argv + ["--chat_template", "nowhere.jinja"])
+    with pytest.raises(ConfigError, match=r"no column 'chat' \(has \['id', 'messages'\]\)"):
+        build(argv + ["--chat_column", "chat"])
+    with pytest.raises(ConfigError, match="column 'id' is not a list of {role, content} messages"):
+        build(argv + ["--chat_column", "id"])
+
+
+# ---- document masks, in-process ----
+
+def test_positions_restart_at_each_document_and_at_each_block():
+    starts = np.array([0, 5, 9, 30])
+    assert restart(starts, 0, 12) == [0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 1, 2]
+    assert restart(starts, 12, 6) == [0, 1, 2, 3, 4, 5]  # a document carried over starts the block at 0
+    assert restart(starts, 28, 4) == [0, 1, 0, 1]
+
+
+def restart(starts, begin, length):
+    return documents.restart_positions(starts, begin, length).tolist()
+
+
+def test_packed_text_blocks_carry_position_ids_only_with_the_document_mask():
+    _, _, masked = build(["--data_files", SYNTHETIC, "--seq_len", "64"])
+    _, _, unmasked = build(["--data_files", SYNTHETIC, "--seq_len", "64", "--document_mask", "false"])
+    eos = build_tokenizer(parse_train([])).eos_token_id
+    for index in range(50):
+        item, plain = masked.train[index], unmasked.train[index]
+        assert torch.equal(item["input_ids"], plain["input_ids"]) and torch.equal(item["labels"], plain["labels"])
+        assert "position_ids" not in plain
+        # the byte tokenizer has no BOS: a document starts right after an EOS
+        after_eos = [i for i in range(1, 64) if item["input_ids"][i - 1] == eos]
+        assert [i for i in range(1, 64) if item["position_ids"][i] == 0] == after_eos
+        assert item["position_ids"][0] == 0
+
+
+def test_streamed_blocks_carry_the_same_position_ids(tmp_path):
+    from train_extras.data_at_scale import StreamedBlocks
+
+    cfg = parse_train(["--data_files", SYNTHETIC, "--seq_len", "64", "--streaming", "--eval_data_files", SYNTHETIC])
+    tokenizer = build_tokenizer(cfg)
+    blocks = [b for _, b in zip(range(40), StreamedBlocks(cfg, tokenizer, rank=0, world_size=1))]
+    eos = tokenizer.eos_token_id
+    for block in blocks:
+        after_eos = [i for i in range(1, 64) if block["input_ids"][i - 1] == eos]
+        assert [i for i in range(1, 64) if block["position_ids"][i] == 0] == after_eos
+        assert torch.equal(block["position_ids"][1:] - block["position_ids"][:-1] == 1,
+                           torch.tensor([i + 1 not in after_eos for i in range(63)]))
+
+
+def test_flash_attention_with_several_rows_is_refused():
+    with pytest.raises(ConfigError, match="keeps packed documents apart only in a batch of one row"):
+        parse_train(["--attn_implementation", "flash_attention_2", "--micro_batch_size", "4"])
+    parse_train(["--attn_implementation", "flash_attention_2", "--micro_batch_size", "1"])
+    parse_train(["--attn_implementation", "flash_attention_2", "--document_mask", "false"])
+
+
+def test_the_mask_changes_what_trains(train_run, train_run_unmasked):
+    """The same 60 steps on the same blocks, with and without document masks: both learn, and the
+    losses differ (the toy corpus's documents share blocks of 65 bytes)."""
+    masked = [row["loss"] for row in train_run.summary["losses"]]
+    unmasked = [row["loss"] for row in train_run_unmasked.summary["losses"]]
+    assert len(masked) == len(unmasked) == 60
+    assert max(abs(a - b) for a, b in zip(masked, unmasked)) > 1e-3
+    assert masked[-1] < masked[0] - 1.0 and unmasked[-1] < unmasked[0] - 1.0
+    assert train_run.summary["setup"]["options"]["document_mask"] is True
+
+
+# ---- mixtures, in-process ----
+
+def write_mixture(folder, chat_data, weights=(0.8, 0.2), extra="") -> str:
+    path = folder / "mixture.yaml"
+    path.write_text(f"sources:\n  - name: prose\n    data_files: {SYNTHETIC}\n    weight: {weights[0]}\n"
+                    f"  - name: chat\n    data_files: [{chat_data}]\n    weight: {weights[1]}\n{extra}")
+    return str(path)
+
+
+def test_documents_are_drawn_by_weight(chat, tmp_path):
+    """Over the first 2,000 documents drawn (and over all of them), each source's share is within 3
+    points of its weight; the draw is the same every time (the run's seed) and another seed draws
+    another order."""
+    spec = write_mixture(tmp_path, chat["data"])
+    argv = ["--tokenizer_name_or_path", chat["tokenizer"], "--data_mixture", spec, "--seq_len", str(SEQ)]
+    cfg, tokenizer, built = build(argv)
+    shares = built.facts["mixture"]
+    assert sum(s["documents"] for s in shares.values()) >= 2000
+    assert shares["prose"]["share"] == pytest.approx(0.8, abs=0.03)
+    assert shares["chat"]["share"] == pytest.approx(0.2, abs=0.03)
+    # first_exhausted: the prose source (1,960 training documents) was drawn whole, nothing repeats
+    assert shares["prose"]["documents"] == shares["prose"]["available"]
+    order = mixed_sources(cfg, tokenizer)
+    first = np.bincount(order[:2000], minlength=2) / 2000
+    assert first == pytest.approx([0.8, 0.2], abs=0.03)
+    assert (mixed_sources(cfg, tokenizer) == order).all()
+    cfg.seed += 1
+    other = mixed_sources(cfg, tokenizer)
+    assert len(other) != len(order) or (other != order).any()
+    assert set(built.held_out) == {"prose", "chat"} and built.kind == "mixed"
+
+
+def mixed_sources(cfg, tokenizer) -> np.ndarray:
+    """Which source each drawn document came from, in order (the mixture rebuilt with `cfg`)."""
+    import datasets
+
+    captured = {}
+    interleave = datasets.interleave_datasets
+
+    def spy(dsets, **kwargs):
+        captured["mixed"] = interleave(dsets, **kwargs)
+        return captured["mixed"]
+
+    datasets.interleave_datasets = spy
+    try:
+        mixture.build(cfg, tokenizer)
+    finally:
+        datasets.interleave_datasets = interleave
+    return np.asarray(captured["mixed"]["source"])
+
+
+@pytest.mark.parametrize("content, message", [
+    ("sources: []\n", "a non-empty list under 'sources:'"),
+    ("sources:\n  - data_files: x.jsonl\n", "source 0 needs a positive 'weight:', got None"),
+    ("sources:\n  - data_files: x.jsonl\n    weight: -1\n", "source 0 needs a positive 'weight:', got -1"),
+    ("sources:\n  - weight: 1\n", "source 0 needs data_files or dataset_name"),
+    ("sources:\n  - data_files: x.jsonl\n    weight: 1\n    colour: red\n", r"unknown option\(s\) \['colour'\]"),
+    ("sources:\n  - {data_files: a.jsonl, weight: 1, name: s}\n  - {data_files: b.jsonl, weight: 1, name: s}\n",
+     "source names must differ"),
+    ("sources:\n  - {data_files: a.jsonl, weight: 1}\nstopping_strategy: never\n", "stopping_strategy must be one"),
+    ("sources: [\n", "is not valid YAML"),
+])
+def test_a_bad_mixture_file_is_one_line(tmp_path, content, message):
+    path = tmp_path / "mixture.yaml"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=message) as err:
+        parse_train(["--data_mixture", str(path)])
+    assert "\n" not in str(err.value)
+
+
+def test_a_mixture_names_its_own_data_and_its_sources_are_checked(chat, tmp_path):
+    spec = write_mixture(tmp_path, chat["data"])
+    with pytest.raises(ConfigError, match="names its sources' data options itself: not with --data_files"):
+        parse_train(["--data_mixture", spec, "--data_files", SYNTHETIC])
+    with pytest.raises(ConfigError, match="cannot read --data_mixture nowhere.yaml"):
+        parse_train(["--data_mixture", "nowhere.yaml"])
+    missing = write_mixture(tmp_path, tmp_path / "missing.jsonl")
+    cfg = parse_train(["--data_mixture", missing, "--tokenizer_name_or_path", chat["tokenizer"]])
+    with pytest.raises(ConfigError, match="--data_mixture source 'chat': data file not found: .*missing.jsonl"):
+        documents.build(cfg, build_tokenizer(cfg))
+
+
+# ---- launched: conversations and a mixture, trained and resumed ----
+
+CHAT_ARGS = ["--preset", "debug", "--seq_len", str(SEQ), "--micro_batch_size", "8", "--max_steps", "40",
+             "--warmup_steps", "2", "--lr", "3e-3", "--eval_every", "20", "--log_every", "10", "--save_every", "20",
+             "--sample_length", "16"]
+
+
+@pytest.fixture(scope="module")
+def chat_runs(tmp_path_factory, hf_home, chat):
+    """40 steps on the conversations (packed, document masks), then the same run resumed at step 20."""
+    out = tmp_path_factory.mktemp("chat_run")
+    args = CHAT_ARGS + ["--tokenizer_name_or_path", chat["tokenizer"], "--data_files", chat["data"]]
+    full = Run(out, launch("train.py", args + ["--output_dir", str(out)], hf_home))
+    again = tmp_path_factory.mktemp("chat_resumed")
+    resumed = Run(again, launch("train.py", args + ["--output_dir", str(again), "--resume_from_checkpoint",
+                                                    str(out / "checkpoints" / "step_20")], hf_home))
+    return full, resumed
+
+
+def test_a_run_on_conversations_learns_resumes_exactly_and_samples_an_answer(chat_runs, chat):
+    full, resumed = chat_runs
+    summary = full.summary
+    assert summary["data"]["kind"] == "conversations"
+    assert summary["data"]["conversations"]["dropped_overlong"] > 0
+    assert "conversations    : " in full.proc.stdout and "dropped overlong" in full.proc.stdout
+    assert "documents masked apart" in full.proc.stdout
+    losses = [row["loss"] for row in summary["losses"]]
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.5, losses
+    assert summary["eval"][-1]["loss"] < summary["eval"][0]["loss"] - 1.5, summary["eval"]
+    check_exact_resume(full, resumed, 20)
+    sample = summary["samples"][-1]
+    tokenizer = AutoTokenizer.from_pretrained(chat["tokenizer"])
+    assert sample["prompt"] == conversations.sample_prompt(tokenizer, summary["setup"]["options"]["sample_message"])
+    assert sample["prompt"].endswith("<|assistant|>\n")
+    # the export keeps the template, so the exported folder renders conversations as the run did
+    exported = AutoTokenizer.from_pretrained(summary["export"])
+    assert exported.chat_template == tokenizer.chat_template
+    saved = checkpoint.verify(full.output_dir / "checkpoints" / "step_20", contents=False)
+    assert saved["data"]["chat_template_sha256"] is not None
+
+
+@pytest.fixture(scope="module")
+def mixture_runs(tmp_path_factory, hf_home, chat):
+    """A mixture of prose (0.8) and conversations (0.2): 40 steps, then resumed at step 20."""
+    folder = tmp_path_factory.mktemp("mixture")
+    spec = write_mixture(folder, chat["data"])
+    args = CHAT_ARGS + ["--tokenizer_name_or_path", chat["tokenizer"], "--data_mixture", spec]
+    out = folder / "full"
+    full = Run(out, launch("train.py", args + ["--output_dir", str(out)], hf_home))
+    again = folder / "resumed"
+    resumed = Run(again, launch("train.py", args + ["--output_dir", str(again), "--resume_from_checkpoint",
+                                                    str(out / "checkpoints" / "step_20")], hf_home))
+    return full, resumed, spec
+
+
+def test_a_mixture_logs_each_sources_held_out_loss_and_resumes_exactly(mixture_runs):
+    full, resumed, _ = mixture_runs
+    evals = full.summary["eval"]
+    assert [e["step"] for e in evals] == [0, 20, 40]
+    for result in evals:
+        sources = result["sources"]
+        assert set(sources) == {"prose", "chat"}
+        tokens = sum(s["tokens"] for s in sources.values())
+        assert result["tokens"] == tokens
+        assert result["loss"] == pytest.approx(sum(s["loss"] * s["tokens"] for s in sources.values()) / tokens)
+    for name in ("prose", "chat"):
+        assert evals[-1]["sources"][name]["loss"] < evals[0]["sources"][name]["loss"] - 1.0, evals
+    rows = [json.loads(line) for line in (full.output_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = [row for row in rows if row["kind"] == "eval"]
+    assert [row["sources"] for row in logged] == [e["sources"] for e in evals]
+    shares = full.summary["data"]["mixture"]
+    assert shares["prose"]["share"] == pytest.approx(0.8, abs=0.03)
+    assert "mixture          : prose 79.9% of 2453 documents (weight 80.0%" in full.proc.stdout
+    check_exact_resume(full, resumed, 20)
+    # the same weights at step 40: the same held-out losses, source by source
+    assert [e["sources"] for e in resumed.summary["eval"]] == [evals[-1]["sources"]]
+
+
+def test_an_edited_mixture_is_refused_on_resume(mixture_runs, chat, tmp_path):
+    full, _, spec = mixture_runs
+    saved = checkpoint.verify(full.output_dir / "checkpoints" / "step_20", contents=False)
+    cfg = parse_train(["--data_mixture", spec])
+    checkpoint.check_same_data(tmp_path, saved, {**saved["data"], "mixture": mixture.identity(cfg)})
+    edited = write_mixture(tmp_path, chat["data"], weights=(0.7, 0.3))
+    edited_identity = mixture.identity(parse_train(["--data_mixture", edited]))
+    with pytest.raises(ConfigError, match="its data mixture was another"):
+        checkpoint.check_same_data(tmp_path, saved, {**saved["data"], "mixture": edited_identity})
+
+
+# ---- launched: the document mask under cpu.yaml, ddp.yaml and fsdp.yaml ----
+
+@pytest.mark.parametrize("config", ["cpu.yaml", "ddp.yaml", "fsdp.yaml"])
+def test_a_later_document_does_not_see_an_earlier_one(config, tmp_path, hf_home):
+    """B's logits are unchanged when A's tokens change (bitwise here; 1e-6 asked), and change
+    without the document mask; A's own logits change either way (the change reaches the model)."""
+    out = tmp_path / "result.json"
+    script = ROOT / "tests" / "scripts" / "document_mask.py"
+    args = [str(out), "--preset", "debug", "--data_files", SYNTHETIC, "--seq_len", "64",
+            "--output_dir", str(tmp_path / "run")]
+    if config == "cpu.yaml":
+        launch("train.py", args, hf_home, recipe_path=script)
+    else:
+        launch_two_processes("train.py", config, args, hf_home, recipe_path=script)
+    result = json.loads(out.read_text())
+    masked, unmasked = result["masked"], result["unmasked"]
+    assert masked["has_position_ids"] and not unmasked["has_position_ids"]
+    assert masked["b_max_change"] <= 1e-6, result
+    assert unmasked["b_max_change"] > 1e-2, result
+    assert masked["a_max_change"] > 1e-2 and unmasked["a_max_change"] > 1e-2, result
+
+
+def test_conversations_under_fsdp_train_as_one_process(chat_runs, chat, tmp_path, hf_home):
+    """FSDP2 on 2 ranks, 4 conversations' blocks each (the same global batch of 8): the ranks hold
+    different numbers of assistant tokens, and the loss is still normalised by the step's total, so
+    every step equals the 1-process run's."""
+    full, _ = chat_runs
+    args = CHAT_ARGS + ["--tokenizer_name_or_path", chat["tokenizer"], "--data_files", chat["data"],
+                        "--micro_batch_size", "4", "--save_every", "0", "--sample_length", "0",
+                        "--output_dir", str(tmp_path)]
+    run = Run(tmp_path, launch_two_processes("train.py", "fsdp.yaml", args, hf_home))
+    assert run.summary["setup"]["distributed_type"] == "FSDP"
+    reference = [row["loss"] for row in full.summary["losses"]]
+    assert [row["loss"] for row in run.summary["losses"]] == pytest.approx(reference, abs=1e-4, rel=0)
+    assert [e["loss"] for e in run.summary["eval"]] == pytest.approx([e["loss"] for e in full.summary["eval"]],
+                                                                      abs=1e-4, rel=0)

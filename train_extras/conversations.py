@@ -1,0 +1,144 @@
+"""Conversations for train.py (docs/data.md#conversations): a column of messages ({role, content}
+each) rendered by the tokenizer's chat template, with the loss on the assistant's tokens only.
+
+Which tokens are the assistant's: where the template marks them ({% generation %} ... {% endgeneration %},
+read by transformers' return_assistant_tokens_mask), else by rendering the conversation's prefixes
+and taking the differences: the tokens of messages[:i+1] past those of messages[:i] with the
+generation prompt are assistant message i's (its content and the template's end-of-turn after it).
+A template whose prefix renders are not prefixes of the whole render cannot be read this way: that
+is one error line. A conversation longer than seq_len + 1 tokens is dropped or truncated
+(--overlong); one left with no assistant token trains nothing and is dropped; both are counted.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+
+from common.config import ConfigError
+
+GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# What happened to each conversation, counted in the setup block and run_summary.json.
+KEPT, TRUNCATED, DROPPED_OVERLONG, DROPPED_NO_ASSISTANT = range(4)
+FATES = ("kept", "truncated", "dropped_overlong", "dropped_no_assistant_token")
+
+
+def apply_template_file(cfg, tokenizer) -> None:
+    """--chat_template FILE replaces (or supplies) the tokenizer's template; the export keeps it."""
+    if cfg.chat_template:
+        tokenizer.chat_template = Path(cfg.chat_template).read_text()
+
+
+def is_messages(feature) -> bool:
+    """A column of conversations: a list of structs with at least `role` and `content`."""
+    import datasets
+
+    inner = getattr(feature, "feature", None)
+    return (isinstance(feature, (datasets.List, datasets.LargeList)) and isinstance(inner, dict)
+            and {"role", "content"} <= set(inner))
+
+
+def find_column(rows, given: str | None, source: str) -> str | None:
+    """--chat_column, else the first column shaped like conversations, else None (text)."""
+    if given is not None:
+        if given not in rows.column_names:
+            raise ConfigError(f"{source}: no column {given!r} (has {rows.column_names}); set --chat_column")
+        if not is_messages(rows.features[given]):
+            raise ConfigError(f"{source}: column {given!r} is not a list of {{role, content}} messages "
+                              f"({rows.features[given]})")
+        return given
+    return next((name for name in rows.column_names if is_messages(rows.features[name])), None)
+
+
+def documents(rows, column: str, source: str):
+    """The conversations of `column` as one column 'messages' (empty ones left out)."""
+    ds = rows.select_columns([column])
+    if column != "messages":
+        ds = ds.rename_column(column, "messages")
+    ds = ds.filter(lambda batch: [bool(m) for m in batch["messages"]], batched=True)
+    if len(ds) == 0:
+        raise ConfigError(f"dataset is empty (no conversation with a message): {source}")
+    return ds
+
+
+def check_template(tokenizer, source: str) -> None:
+    if not tokenizer.chat_template:
+        raise ConfigError(f"{source} holds conversations, and the tokenizer has no chat template to render them: "
+                          "give one with --chat_template FILE (a Jinja template)")
+
+
+def clean(messages: list[dict]) -> list[dict]:
+    """datasets gives every message every key any message has (None where it has none): drop those."""
+    return [{key: value for key, value in message.items() if value is not None} for message in messages]
+
+
+def by_markers(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """(token ids, 1 on the assistant's tokens) from the template's generation markers."""
+    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    return list(out["input_ids"]), list(out["assistant_masks"])
+
+
+def by_prefixes(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """(token ids, 1 on the assistant's tokens) from the differences of the prefixes' renders."""
+    def encode(upto: int, generation_prompt: bool) -> list[int]:
+        text = tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=generation_prompt)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    ids = encode(len(messages), False)
+    mask = [0] * len(ids)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before, through = encode(i, True), encode(i + 1, False)
+        if through[: len(before)] != before or ids[: len(through)] != through:
+            raise ConfigError("the chat template renders a conversation's first messages as something that does not "
+                              "begin its whole render, so the assistant's tokens cannot be found from the prefixes: "
+                              "give a template with {% generation %} markers (--chat_template FILE)")
+        mask[len(before): len(through)] = [1] * (len(through) - len(before))
+    return ids, mask
+
+
+def tokenize(docs, tokenizer, cfg, name: str, num_proc: int | None = None):
+    """Conversations as (input_ids, targets: 1 on the assistant's tokens, length), cached by
+    `datasets`; returns them and the count of each fate (FATES)."""
+    check_template(tokenizer, name)
+    markers = tokenizer.is_fast and GENERATION_MARKER.search(tokenizer.chat_template) is not None
+    read = by_markers if markers else by_prefixes
+    limit, truncate = cfg.seq_len + 1, cfg.overlong == "truncate"
+
+    def render(batch):
+        out = {"input_ids": [], "targets": [], "length": [], "fate": []}
+        for messages in batch["messages"]:
+            ids, mask = read(tokenizer, clean(messages))
+            fate = KEPT
+            if len(ids) > limit:
+                fate = TRUNCATED if truncate else DROPPED_OVERLONG
+                ids, mask = ids[:limit], mask[:limit]
+            if fate != DROPPED_OVERLONG and not any(mask[1:]):  # the first token is never a label
+                fate = DROPPED_NO_ASSISTANT
+            for key, value in zip(out, (ids, mask, len(ids), fate)):
+                out[key].append(value)
+        return out
+
+    rendered = docs.map(render, batched=True, remove_columns=docs.column_names, num_proc=num_proc,
+                        desc=f"render {name} conversations")
+    fates = np.bincount(np.asarray(rendered["fate"], dtype=np.int64), minlength=len(FATES))
+    kept = rendered.filter(lambda batch: [f in (KEPT, TRUNCATED) for f in batch["fate"]], batched=True)
+    if len(kept) == 0:
+        raise ConfigError(f"no {name} conversation is left to train on: {describe(dict(zip(FATES, fates.tolist())))}")
+    return kept.remove_columns("fate"), dict(zip(FATES, fates.tolist()))
+
+
+def describe(fates: dict) -> str:
+    """The setup block's line: how many conversations, and what was dropped or truncated."""
+    total = sum(fates.values())
+    parts = [f"{fates[key]} {key.replace('_', ' ')}" for key in FATES[1:] if fates[key]]
+    return f"{total} conversations" + (f" ({', '.join(parts)})" if parts else "")
+
+
+def sample_prompt(tokenizer, message: str) -> str:
+    """The end-of-run sample of a run on conversations: the model's answer to a fixed user message."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                         add_generation_prompt=True)

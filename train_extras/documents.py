@@ -1,0 +1,190 @@
+"""train.py's datasets (docs/data.md): text or conversations (train_extras/conversations.py), packed
+with document masks or one per row, from one source or a mixture (train_extras/mixture.py).
+
+Document masks (--document_mask, on by default when packing). A packed block holds the end of one
+document and the start of the next; without a mask every token attends to every earlier token of
+its block, the previous documents' too. Each block carries position ids that restart at each
+document (and at the block's start), and the model gets no attention mask and no cache: from those
+transformers builds a block-diagonal causal mask for SDPA and eager attention
+(masking_utils.find_packed_sequence_indices), so no token sees another document and each document
+starts at position 0, as in inference. Labels are not cut at a boundary: the last token of a
+document (its EOS) still predicts the first of the next, as without a mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from common import data
+from common.config import ConfigError
+from train_extras import conversations
+
+
+def restart_positions(starts: np.ndarray, begin: int, length: int) -> np.ndarray:
+    """Positions of the stream's tokens [begin, begin + length): each one's distance from the start of
+    its document (`starts`: the sorted offsets where documents begin) or from `begin`, if later."""
+    offsets = np.arange(begin, begin + length)
+    document_start = starts[np.searchsorted(starts, offsets, side="right") - 1]
+    return offsets - np.maximum(document_start, begin)
+
+
+class DocumentBlocks(data.PackedBlocks):
+    """common.data.PackedBlocks' blocks (the same input_ids and labels), plus position ids that
+    restart at each document (starts given: --document_mask) and, for conversations, labels -100
+    where the next token is not the assistant's (targets: a 0/1 stream beside the tokens)."""
+
+    def __init__(self, stream: np.ndarray, seq_len: int, starts: np.ndarray | None = None,
+                 targets: np.ndarray | None = None):
+        super().__init__(stream, seq_len)
+        self.targets = None if targets is None else data.pack_into_blocks(targets, seq_len + 1)
+        self.starts, self.seq_len = starts, seq_len
+
+    def __getitem__(self, index):
+        block = torch.from_numpy(self.blocks[index].astype(np.int64))
+        labels = block[1:].clone()
+        if self.targets is not None:
+            labels[torch.from_numpy(self.targets[index][1:] == 0)] = -100
+        item = {"input_ids": block[:-1], "labels": labels, "index": index}
+        if self.starts is not None:
+            begin = index * (self.seq_len + 1)
+            item["position_ids"] = torch.from_numpy(restart_positions(self.starts, begin, self.seq_len))
+        return item
+
+
+class DocumentRows(data.PaddedDocuments):
+    """One document per row (--packing false), as common.data.PaddedDocuments; for conversations
+    the labels are also -100 where the next token is not the assistant's."""
+
+    def __getitem__(self, index):
+        item = super().__getitem__(index)
+        if "targets" in self.docs.column_names:
+            targets = torch.tensor(self.docs[index]["targets"][1: self.seq_len + 1])
+            item["labels"][: len(targets)][targets == 0] = -100
+        return item
+
+
+@dataclasses.dataclass
+class Source:
+    """One source's documents, split: text ('text' column) or conversations ('messages')."""
+    train: object
+    held_out: object
+    kind: str  # "text" or "conversations"
+
+
+def load(cfg, held_out: bool = False):
+    """(documents, kind) of the source the data options name (tiny Shakespeare when none)."""
+    rows, source = data.load_rows(cfg, held_out)
+    if rows is None:
+        return data.load_documents(cfg, held_out), "text"
+    column = conversations.find_column(rows, cfg.chat_column, source)
+    if column is not None:
+        return conversations.documents(rows, column, source), "conversations"
+    return data.text_documents(rows, cfg.text_column, source), "text"
+
+
+def load_source(cfg) -> Source:
+    docs, kind = load(cfg)
+    loaded = {}
+
+    def held_out_docs(cfg, held_out):  # its own held-out files or split: the same kind, or refused
+        loaded["docs"], loaded["kind"] = load(cfg, held_out)
+        return loaded["docs"]
+
+    split = data.split_documents(cfg, docs, load=held_out_docs)
+    if loaded and loaded["kind"] != kind:
+        raise ConfigError(f"the training data holds {kind} and the held-out data {loaded['kind']}: give one kind")
+    return Source(split["train"], split["test"], kind)
+
+
+def tokenize(docs, kind: str, tokenizer, cfg, name: str, num_proc: int | None):
+    """(tokenised documents: input_ids, length and, for conversations, targets; conversations' fates)."""
+    if kind == "conversations":
+        return conversations.tokenize(docs, tokenizer, cfg, name, num_proc)
+    return data.tokenize_documents(docs, tokenizer, name, cfg, num_proc), None
+
+
+def streams(tokenized, tokenizer):
+    """The token stream (common.data's, on disk), the documents' start offsets and, for
+    conversations, the 0/1 targets stream beside it (on disk too)."""
+    import datasets
+
+    dtype = np.uint16 if len(tokenizer) <= 65536 else np.uint32
+    cache = Path(datasets.config.HF_DATASETS_CACHE) / "accelerate_recipes" / "streams"
+    stem = cache / tokenized._fingerprint  # the map's fingerprint: (source data, tokenizer, function)
+    tokens = data.token_stream(tokenized, stem.with_suffix(f".{np.dtype(dtype).name}"), dtype)
+    lengths = np.asarray(tokenized["length"], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(lengths) else np.zeros(0, np.int64)
+    targets = None
+    if "targets" in tokenized.column_names:
+        targets = data.token_stream(tokenized, stem.with_suffix(".targets.uint8"), np.uint8, column="targets")
+    return tokens, starts, targets
+
+
+def as_dataset(tokenized, tokenizer, cfg):
+    """DocumentBlocks (packing) or DocumentRows of tokenised documents."""
+    if not cfg.packing:
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        return DocumentRows(tokenized, cfg.seq_len, pad_id)
+    tokens, starts, targets = streams(tokenized, tokenizer)
+    return DocumentBlocks(tokens, cfg.seq_len, starts if cfg.document_mask else None, targets)
+
+
+def check_not_empty(cfg, train, held_out: dict) -> None:
+    named = [("training", train)] + [(f"held-out ({key})" if key else "held-out", ds) for key, ds in held_out.items()]
+    for name, ds in named:
+        if len(ds) == 0:
+            raise ConfigError(f"the {name} split has fewer than seq_len+1={cfg.seq_len + 1} tokens")
+
+
+@dataclasses.dataclass
+class Datasets:
+    train: Dataset
+    held_out: dict  # {source name: dataset}; one source: {"": dataset}
+    kind: str  # "text", "conversations" or "mixed"
+    facts: dict  # conversations' fates, a mixture's shares: the setup block and run_summary.json
+
+
+def build(cfg, tokenizer, num_proc: int | None = None) -> Datasets:
+    """Training and held-out datasets of the data options, or of --data_mixture's sources."""
+    conversations.apply_template_file(cfg, tokenizer)
+    if cfg.data_mixture:
+        from train_extras import mixture
+
+        return mixture.build(cfg, tokenizer, num_proc)
+    source = load_source(cfg)
+    train, fates = tokenize(source.train, source.kind, tokenizer, cfg, "train", num_proc)
+    held_out, _ = tokenize(source.held_out, source.kind, tokenizer, cfg, "eval", num_proc)
+    datasets = Datasets(as_dataset(train, tokenizer, cfg), {"": as_dataset(held_out, tokenizer, cfg)}, source.kind,
+                        {"conversations": fates} if fates else {})
+    check_not_empty(cfg, datasets.train, datasets.held_out)
+    return datasets
+
+
+def describe(facts: dict) -> dict:
+    """Lines for the setup block: what happened to the conversations, and a mixture's shares."""
+    from train_extras import mixture
+
+    lines = {}
+    for name, fates in facts.get("conversations", {}).items() if "mixture" in facts else (
+            [("", facts["conversations"])] if "conversations" in facts else []):
+        lines["conversations" + (f" ({name})" if name else "")] = conversations.describe(fates)
+    if "mixture" in facts:
+        lines["mixture"] = mixture.describe(facts["mixture"])
+    return lines
+
+
+def identity(cfg, tokenizer, kind: str) -> dict:
+    """Beyond the files (resume/checkpoint.data_identity): the chat template that rendered
+    conversations (its SHA-256) and what a mixture resolves to; a resume compares both."""
+    import hashlib
+
+    from train_extras import mixture
+
+    template = tokenizer.chat_template if kind != "text" and isinstance(tokenizer.chat_template, str) else None
+    return {"chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if template else None,
+            "mixture": mixture.identity(cfg) if cfg.data_mixture else None}
