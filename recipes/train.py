@@ -318,6 +318,8 @@ def build(cfg, accelerator, tokenizer, train_data: TrainData, facts: ModelFacts,
     else:
         model, optimizer, train_loader, *eval_loaders, scheduler = accelerator.prepare(
             model, optimizer, train_loader, *eval_loaders, scheduler)
+    if cfg.packing and cfg.document_mask:  # asked of the model: some ignore position ids
+        documents.check_kept_apart(model, accelerator, len(tokenizer))
     active = parameters - facts.inactive_parameters  # MoE: a token goes through top-k experts
     record.model(parameters, active, metrics.compiled_regions(model))
     setup = record.summary["setup"]

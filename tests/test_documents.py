@@ -14,7 +14,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, BloomConfig, GPT2Config, LlamaConfig, OPTConfig, Qwen2Config
 
 from common.config import ConfigError
 from common.data import build_tokenizer
@@ -116,6 +116,32 @@ def test_overlong_conversations_are_truncated_when_asked(chat):
     assert "truncated" in conversations.describe(cut) and cut["dropped_no_assistant_token"] == 0
 
 
+def test_a_conversations_column_beside_the_text_column_leaves_the_data_text(chat, tmp_path):
+    """Rows with both a `text` and a `messages` column stay text (as before conversations existed),
+    unless --chat_column names the messages."""
+    rows = tmp_path / "both.jsonl"
+    rows.write_text("".join(json.dumps({"text": f"document {i} " * 20, "messages": m}) + "\n"
+                            for i, m in enumerate(synthetic_conversations(600))))
+    argv = ["--tokenizer_name_or_path", chat["tokenizer"], "--data_files", str(rows), "--seq_len", str(SEQ)]
+    assert build(argv)[2].kind == "text"
+    assert build(argv + ["--chat_column", "messages"])[2].kind == "conversations"
+
+
+def test_a_template_that_fails_on_a_conversation_is_one_line(chat, tmp_path):
+    strict = tmp_path / "strict.jinja"  # as many templates do: roles must alternate
+    strict.write_text("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}"
+                      "{% endif %}{{ m['content'] }}{% endfor %}")
+    argv = ["--tokenizer_name_or_path", chat["tokenizer"], "--data_files", chat["data"], "--seq_len", str(SEQ)]
+    with pytest.raises(ConfigError, match="the chat template cannot render train conversation 0: "
+                                          "TemplateError: no system") as err:
+        build(argv + ["--chat_template", str(strict)])
+    assert "\n" not in str(err.value)
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m['content'] }}")
+    with pytest.raises(ConfigError, match="is not a Jinja template: line 1: Unexpected end of template"):
+        build(argv + ["--chat_template", str(broken)])
+
+
 def test_a_tokenizer_without_a_chat_template_is_one_line_and_a_template_file_supplies_one(chat):
     argv = ["--tokenizer_name_or_path", chat["no_template"], "--data_files", chat["data"], "--seq_len", str(SEQ)]
     with pytest.raises(ConfigError, match="no chat template to render them: give one with --chat_template") as err:
@@ -172,9 +198,41 @@ def test_streamed_blocks_carry_the_same_position_ids(tmp_path):
                            torch.tensor([i + 1 not in after_eos for i in range(63)]))
 
 
+KEPT_APART = {  # transformers 5 builds their mask from position ids: documents kept apart
+    "llama": lambda: LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                 intermediate_size=64, vocab_size=100),
+    "qwen2": lambda: Qwen2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                 intermediate_size=64, vocab_size=100),
+    "gpt2": lambda: GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100, bos_token_id=0, eos_token_id=0),
+}
+NOT_KEPT_APART = {  # BLOOM: ALiBi, no position ids; OPT takes them and still lets documents see each other
+    "bloom": lambda: BloomConfig(hidden_size=32, n_layer=2, n_head=2, vocab_size=100),
+    "opt": lambda: OPTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, ffn_dim=64, vocab_size=100,
+                             word_embed_proj_dim=32, bos_token_id=0, eos_token_id=0, pad_token_id=1),
+}
+
+
+@pytest.mark.parametrize("family", [*KEPT_APART, *NOT_KEPT_APART])
+def test_a_model_that_cannot_keep_documents_apart_is_refused(family):
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config({**KEPT_APART, **NOT_KEPT_APART}[family]())
+    accelerator = Accelerator(cpu=True)
+    if family in KEPT_APART:
+        documents.check_kept_apart(model, accelerator, 100)
+        assert model.training  # left as it was
+    else:
+        with pytest.raises(ConfigError, match=f"--document_mask: {type(model).__name__} does not keep packed "
+                                              "documents apart by their position ids"):
+            documents.check_kept_apart(model, accelerator, 100)
+
+
 def test_flash_attention_with_several_rows_is_refused():
-    with pytest.raises(ConfigError, match="keeps packed documents apart only in a batch of one row"):
-        parse_train(["--attn_implementation", "flash_attention_2", "--micro_batch_size", "4"])
+    for kernel in ("flash_attention_2", "kernels-community/flash-attn"):
+        with pytest.raises(ConfigError, match="keeps packed documents apart only in a batch of one row"):
+            parse_train(["--attn_implementation", kernel, "--micro_batch_size", "4"])
     parse_train(["--attn_implementation", "flash_attention_2", "--micro_batch_size", "1"])
     parse_train(["--attn_implementation", "flash_attention_2", "--document_mask", "false"])
 
@@ -239,6 +297,14 @@ def mixed_sources(cfg, tokenizer) -> np.ndarray:
     finally:
         datasets.interleave_datasets = interleave
     return np.asarray(captured["mixed"]["source"])
+
+
+def test_streaming_is_text_from_one_source(chat, tmp_path):
+    spec = write_mixture(tmp_path, chat["data"])
+    for extra in (["--data_mixture", spec], ["--data_files", chat["data"], "--eval_data_files", chat["data"],
+                                             "--chat_column", "messages"]):
+        with pytest.raises(ConfigError, match="--streaming streams text from one source"):
+            parse_train(["--streaming", *extra])
 
 
 @pytest.mark.parametrize("content, message", [

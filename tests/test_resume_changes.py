@@ -102,6 +102,17 @@ def test_what_a_changed_resume_used_is_what_it_records(changed_resume):
     assert newest["config"]["lr"] == 0.002 and newest["config"]["max_steps"] == 80
 
 
+def test_a_checkpoint_from_before_document_masks_resumes_only_without_them(train_run):
+    """A checkpoint saved before --document_mask existed has no such option: it trained without
+    masks, so resuming it with them is refused, and --document_mask false continues it."""
+    saved = checkpoint.verify(step_30(train_run), contents=False)
+    legacy = {**saved, "config": {k: v for k, v in saved["config"].items() if k != "document_mask"}}
+    with pytest.raises(ConfigError, match=r"--document_mask False \(this run: True\)"):
+        checkpoint.check_compatible(step_30(train_run), parse_train(TRAIN_ARGS), SINGLE, legacy)
+    checkpoint.check_compatible(step_30(train_run), parse_train(TRAIN_ARGS + ["--document_mask", "false"]), SINGLE,
+                                legacy)
+
+
 def test_the_same_options_on_other_data_are_refused(tmp_path, train_run):
     """A glob that now matches another file (before any work), or a file rewritten with more text
     (once the data is built): the options are equal, the data is not. The checkpoint records the

@@ -15,9 +15,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import jinja2
 import numpy as np
 
-from common.config import ConfigError
+from common.config import ConfigError, one_line
 
 GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # What happened to each conversation, counted in the setup block and run_summary.json.
@@ -26,9 +27,18 @@ FATES = ("kept", "truncated", "dropped_overlong", "dropped_no_assistant_token")
 
 
 def apply_template_file(cfg, tokenizer) -> None:
-    """--chat_template FILE replaces (or supplies) the tokenizer's template; the export keeps it."""
+    """--chat_template FILE replaces (or supplies) the tokenizer's template; the export keeps it. A
+    template that does not parse is one error line here, before any data is read."""
     if cfg.chat_template:
-        tokenizer.chat_template = Path(cfg.chat_template).read_text()
+        from transformers.utils.chat_template_utils import _compile_jinja_template  # as apply_chat_template does
+
+        text = Path(cfg.chat_template).read_text()
+        try:
+            _compile_jinja_template(text)
+        except jinja2.TemplateSyntaxError as err:
+            raise ConfigError(f"--chat_template {cfg.chat_template} is not a Jinja template: line {err.lineno}: "
+                              f"{err.message}") from None
+        tokenizer.chat_template = text
 
 
 def is_messages(feature) -> bool:
@@ -40,8 +50,9 @@ def is_messages(feature) -> bool:
             and {"role", "content"} <= set(inner))
 
 
-def find_column(rows, given: str | None, source: str) -> str | None:
-    """--chat_column, else the first column shaped like conversations, else None (text)."""
+def find_column(rows, given: str | None, source: str, text_column: str = "text") -> str | None:
+    """--chat_column, else (when the rows have no --text_column column: that one is text, as before)
+    the first column shaped like conversations, else None (text)."""
     if given is not None:
         if given not in rows.column_names:
             raise ConfigError(f"{source}: no column {given!r} (has {rows.column_names}); set --chat_column")
@@ -49,6 +60,8 @@ def find_column(rows, given: str | None, source: str) -> str | None:
             raise ConfigError(f"{source}: column {given!r} is not a list of {{role, content}} messages "
                               f"({rows.features[given]})")
         return given
+    if text_column in rows.column_names:
+        return None
     return next((name for name in rows.column_names if is_messages(rows.features[name])), None)
 
 
@@ -108,10 +121,14 @@ def tokenize(docs, tokenizer, cfg, name: str, num_proc: int | None = None):
     read = by_markers if markers else by_prefixes
     limit, truncate = cfg.seq_len + 1, cfg.overlong == "truncate"
 
-    def render(batch):
+    def render(batch, indices):
         out = {"input_ids": [], "targets": [], "length": [], "fate": []}
-        for messages in batch["messages"]:
-            ids, mask = read(tokenizer, clean(messages))
+        for index, messages in zip(indices, batch["messages"]):
+            try:
+                ids, mask = read(tokenizer, clean(messages))
+            except jinja2.TemplateError as err:  # e.g. the template's raise_exception("roles must alternate")
+                raise ConfigError(f"the chat template cannot render {name} conversation {index}: "
+                                  f"{one_line(err, 200)}") from None
             fate = KEPT
             if len(ids) > limit:
                 fate = TRUNCATED if truncate else DROPPED_OVERLONG
@@ -122,13 +139,15 @@ def tokenize(docs, tokenizer, cfg, name: str, num_proc: int | None = None):
                 out[key].append(value)
         return out
 
-    rendered = docs.map(render, batched=True, remove_columns=docs.column_names, num_proc=num_proc,
+    rendered = docs.map(render, batched=True, with_indices=True, remove_columns=docs.column_names, num_proc=num_proc,
                         desc=f"render {name} conversations")
     fates = np.bincount(np.asarray(rendered["fate"], dtype=np.int64), minlength=len(FATES))
     kept = rendered.filter(lambda batch: [f in (KEPT, TRUNCATED) for f in batch["fate"]], batched=True)
+    counts = dict(zip(FATES, fates.tolist()))
     if len(kept) == 0:
-        raise ConfigError(f"no {name} conversation is left to train on: {describe(dict(zip(FATES, fates.tolist())))}")
-    return kept.remove_columns("fate"), dict(zip(FATES, fates.tolist()))
+        raise ConfigError(f"no {name} conversation is left: {describe(counts)}; raise --seq_len or use --overlong "
+                          "truncate")
+    return kept.remove_columns("fate"), counts
 
 
 def describe(fates: dict) -> str:

@@ -57,10 +57,14 @@ def main_process_first(accelerator, timeout_s: int):
     torch.distributed.destroy_process_group(group)
 
 
-def held_out_set(cfg, tokenizer) -> data.PackedBlocks:
-    """The held-out blocks of a streamed run: its own split or files, tokenised up front (they are small)."""
+def held_out_set(cfg, tokenizer):
+    """The held-out blocks of a streamed run: its own split or files, tokenised up front (they are
+    small), as train.py's other held-out sets (documents.DocumentBlocks: masked with --document_mask)."""
+    from train_extras import documents
+
     docs = data.load_documents(cfg, held_out=True)
-    return data.PackedBlocks(data.tokenize_and_stream(docs, tokenizer, "eval", cfg, cfg.dataset_num_proc), cfg.seq_len)
+    return documents.as_dataset(data.tokenize_documents(docs, tokenizer, "eval", cfg, cfg.dataset_num_proc),
+                                tokenizer, cfg)
 
 
 class StreamedBlocks(IterableDataset):

@@ -81,7 +81,7 @@ def load(cfg, held_out: bool = False):
     rows, source = data.load_rows(cfg, held_out)
     if rows is None:
         return data.load_documents(cfg, held_out), "text"
-    column = conversations.find_column(rows, cfg.chat_column, source)
+    column = conversations.find_column(rows, cfg.chat_column, source, cfg.text_column)
     if column is not None:
         return conversations.documents(rows, column, source), "conversations"
     return data.text_documents(rows, cfg.text_column, source), "text"
@@ -188,3 +188,32 @@ def identity(cfg, tokenizer, kind: str) -> dict:
     template = tokenizer.chat_template if kind != "text" and isinstance(tokenizer.chat_template, str) else None
     return {"chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if template else None,
             "mixture": mixture.identity(cfg) if cfg.data_mixture else None}
+
+
+@torch.no_grad()
+def check_kept_apart(model, accelerator, vocab_size: int) -> None:
+    """--document_mask needs a model that builds its attention mask from position ids (Llama, Qwen,
+    Mistral, Gemma, GPT-2, GPT-NeoX, Phi... in transformers 5); some take position ids and still let
+    documents see each other (OPT), some take none (BLOOM's ALiBi). Asked of the model itself, on
+    every rank (a sharded model needs them all): two 8-token documents in one row, the first one
+    changed; the second's logits must not move. One error line otherwise, before training."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab_size, (1, 16), generator=generator).to(accelerator.device)
+    changed = ids.clone()
+    changed[0, :7] = (changed[0, :7] + 1) % vocab_size
+    positions = torch.cat([torch.arange(8), torch.arange(8)])[None].to(accelerator.device)
+    was_training = model.training
+    model.eval()
+    before, after = (model(input_ids=x, position_ids=positions, use_cache=False).logits[0, 8:].float()
+                     for x in (ids, changed))
+    model.train(was_training)
+    moved, scale = (after - before).abs().max().item(), before.abs().max().item()
+    if moved > 1e-4 * max(scale, 1.0):
+        from common.config import same_on_every_rank
+        from common.export import unwrap
+
+        name = type(unwrap(accelerator, model)).__name__
+        with same_on_every_rank():
+            raise ConfigError(f"--document_mask: {name} does not keep packed documents apart by their position ids "
+                              f"(a document's logits moved by {moved:.2g} when the one before it changed): use "
+                              "--document_mask false (documents then see each other) or --packing false")

@@ -184,9 +184,10 @@ class DocumentOptions:
             if given:
                 raise ConfigError(f"--data_mixture names its sources' data options itself: not with {', '.join(given)}")
             mixture.read(self.data_mixture)
-        if self.streaming and (self.data_mixture or self.chat_column):
-            raise ConfigError("--streaming streams text from one source: not with --data_mixture or --chat_column")
-        flash = self.attn_implementation.startswith("flash")
+        if self.streaming and (self.data_mixture or self.chat_column or self.chat_template):
+            raise ConfigError("--streaming streams text from one source: not with --data_mixture, --chat_column or "
+                              "--chat_template")
+        flash = "flash" in self.attn_implementation  # flash_attention_2/3, kernels-community/flash-attn...
         if flash and self.document_mask and self.packing and self.micro_batch_size > 1:
             raise ConfigError(f"--attn_implementation {self.attn_implementation} keeps packed documents apart only "
                               "in a batch of one row (its varlen path): use --micro_batch_size 1, sdpa, or "
@@ -211,6 +212,6 @@ class TrainConfig(CompileOptions, SampleOptions, TrackingOptions, CheckpointOpti
                   FineTuneOptions):
     """Every option of train.py: --help lists the groups from the last base to the first."""
     # FineTuneOptions' check first: it sets --warmup_steps from --warmup_ratio, which OptimizerOptions' checks.
-    check_order = (FineTuneOptions, DataAtScaleOptions, ModelOptions, DataOptions, DocumentOptions, OptimizerOptions,
+    check_order = (FineTuneOptions, DocumentOptions, DataAtScaleOptions, ModelOptions, DataOptions, OptimizerOptions,
                    MixtureOfExpertsOptions, AccumulationOptions, Fp16Options, CheckpointOptions, TrackingOptions,
                    SampleOptions)

@@ -219,6 +219,10 @@ TRAINED_ON = ("seed", "seq_len", "preset", "model_name_or_path", "tokenizer_name
 APPLIED_ON_RESUME = ("lr", "lr_schedule", "warmup_steps", "warmup_ratio", "min_lr_ratio", "decay_fraction", "max_steps",
                      "max_grad_norm", "eval_every", "eval_batches", "save_every", "save_total_limit", "log_every")
 
+# What a checkpoint saved before an option existed was trained with: packed documents were not
+# masked apart before --document_mask (a resume with the mask on would train another model).
+BEFORE_THE_OPTION = {"document_mask": False}
+
 # What makes a stream the same stream: a resumed streamed run skips that many blocks of it.
 STREAM_IDENTITY = ("data_files", "dataset_name", "dataset_config", "dataset_split", "text_column", "txt_documents",
                    "add_bos", "seq_len", "seed", "tokenizer_name_or_path", "model_name_or_path", "document_mask")
@@ -230,7 +234,7 @@ def check_compatible(path: str | Path, cfg, accelerator, meta: dict) -> dict:
     strategy, another global batch, or a world-size change the strategy cannot reshard. `meta`: its
     checkpoint.json as resume_point verified it. Returns it."""
     meta_file = Path(path) / METADATA
-    saved_cfg, saved_setup = meta.get("config", {}), meta.get("setup", {})
+    saved_cfg, saved_setup = {**BEFORE_THE_OPTION, **meta.get("config", {})}, meta.get("setup", {})
     saved_model = saved_cfg.get("model_name_or_path") or f"preset {saved_cfg.get('preset')!r}"
     this_model = cfg.model_name_or_path or f"preset {cfg.preset!r}"
     if saved_cfg.get("model_name_or_path") is None and cfg.model_name_or_path is None and saved_model != this_model:
