@@ -406,7 +406,7 @@ def test_a_world_size_change_inside_a_micro_step_is_refused_before_any_work(tmp_
 
     meta = {"step": 6, "micro_batches_done": 26, "batches_per_epoch": 25, "files": {},
             "config": {"preset": "debug", "micro_batch_size": 2, "gradient_accumulation_steps": 2,
-                       "model_name_or_path": None},
+                       "model_name_or_path": None, "document_mask": True},  # a save records every option
             "setup": {"distributed_type": "FSDP", "world_size": 4}}
     meta["metadata_checksum"] = checkpoint.metadata_digest(meta)  # as a save writes it
     (tmp_path / "checkpoint.json").write_text(json.dumps(meta))
