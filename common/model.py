@@ -89,14 +89,14 @@ def build_model(cfg, vocab_size: int, dtype: torch.dtype = torch.float32) -> nn.
     return model
 
 
-def build_optimizer(model: nn.Module, cfg, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg, device: torch.device, params=None) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only. Decay pulls weights towards zero: that regularises
     the linear maps, but on norm gains it fights the learned scale (1.0 is neutral, not 0), biases
     have nothing to regularise, and embedding rows of rare tokens, which get a gradient only when
     the token appears, would be erased between appearances."""
     embedding_params = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     decay, no_decay = [], []
-    for param in model.parameters():
+    for param in model.parameters() if params is None else params:  # params: a subset (train.py's Muon)
         if not param.requires_grad:
             continue
         # Under ZeRO-3's zero.Init a parameter is an empty 1-D placeholder; its real shape is ds_shape.

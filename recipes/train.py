@@ -56,7 +56,7 @@ from accelerate.utils import (DistributedType, GradientAccumulationPlugin, GradS
 from common import config, data, guard
 from common import model as modeling
 from common.export import export_pretrained
-from train_extras import conversations, data_at_scale, documents, mixture, moe
+from train_extras import chunked_loss, conversations, data_at_scale, documents, mixture, moe, muon
 from train_extras.observe import flops, metrics, run_record
 from train_extras.observe.run_record import RunRecord
 from train_extras.observe.sampling import sample_text
@@ -139,6 +139,8 @@ def build_accelerator(cfg) -> Accelerator:
     guard.check_launch(accelerator, "train.py",
                        supports=("single", "ddp", "fsdp", "deepspeed", "tp", "fsdp+tp"))
     deepspeed_settings.configure(accelerator, cfg)  # DeepSpeed clips in its own step
+    muon.check_launch(cfg, accelerator)  # Muon needs whole matrices: not sharded ones
+    chunked_loss.check_launch(cfg, accelerator)  # nor a head split across ranks
     return accelerator
 
 
@@ -286,6 +288,7 @@ class Run:
     tp_layout: dict | None  # {"dp_shard": M, "tp": N} under tensor parallelism
     route: dict | None  # a mixture-of-experts model's experts, top-k and router-loss weight
     saved: dict  # what every checkpoint.json records besides the step and the data position
+    loss_head: object  # --loss_chunk_size: the output head that computes chunked losses; None: plain loss
 
 
 def build(cfg, accelerator, tokenizer, train_data: TrainData, facts: ModelFacts,
@@ -300,12 +303,13 @@ def build(cfg, accelerator, tokenizer, train_data: TrainData, facts: ModelFacts,
         # route for one process and DDP, prefixes them with _orig_mod: the export would not
         # load), and FSDP2's hooks, added later by prepare, still run.
         compile_regions_fsdp2(model)
+    loss_head = chunked_loss.install(model, cfg.loss_chunk_size)  # None: the plain loss
     parameters = metrics.count_parameters(model)
     tp_layout = facts.tp_layout
     if tp_layout:  # TP (then FSDP2 for 2D) on accelerate's mesh, by torch's own APIs
         model = tensor_parallel.parallelize(model, accelerator)
     deepspeed_settings.gather_moe_blocks_whole(accelerator, model)  # ZeRO-3: experts gathered whole
-    optimizer = modeling.build_optimizer(model, cfg, accelerator.device)
+    optimizer = muon.build_optimizer(model, cfg, accelerator.device)  # AdamW, or Muon + AdamW
     scheduler = modeling.build_scheduler(optimizer, cfg)
     train_loader, names = train_data.train_loader, list(train_data.eval_loaders)
     eval_loaders = list(train_data.eval_loaders.values())
@@ -320,6 +324,7 @@ def build(cfg, accelerator, tokenizer, train_data: TrainData, facts: ModelFacts,
             model, optimizer, train_loader, *eval_loaders, scheduler)
     if cfg.packing and cfg.document_mask:  # asked of the model: some ignore position ids
         documents.check_kept_apart(model, accelerator, len(tokenizer))
+    chunked_loss.check_plain_head(model, loss_head, accelerator, len(tokenizer))
     active = parameters - facts.inactive_parameters  # MoE: a token goes through top-k experts
     record.model(parameters, active, metrics.compiled_regions(model))
     setup = record.summary["setup"]
@@ -331,7 +336,7 @@ def build(cfg, accelerator, tokenizer, train_data: TrainData, facts: ModelFacts,
     if train_data.kind != "text":  # conversations: the model's answer to a user message
         prompt = conversations.sample_prompt(tokenizer, cfg.sample_message)
     return Run(cfg, accelerator, model, optimizer, scheduler, tokenizer, train_loader,
-               dict(zip(names, eval_loaders)), prompt, tp_layout, facts.route, saved)
+               dict(zip(names, eval_loaders)), prompt, tp_layout, facts.route, saved, loss_head)
 
 
 @dataclasses.dataclass
@@ -441,12 +446,12 @@ def forward_backward(run: Run, micro_batches: list, watch, record: RunRecord):
         with accelerator.accumulate(model):  # no gradient all-reduce before the last micro-batch
             positions = batch.get("position_ids")  # --document_mask: restart at each document
             if run.route is None:
-                micro_sum = modeling.causal_lm_loss(model, batch["input_ids"], batch["labels"],
-                                                    "sum", positions)
+                micro_sum = chunked_loss.causal_lm_loss(model, run.loss_head, batch["input_ids"],
+                                                        batch["labels"], "sum", positions)
                 accelerator.backward(micro_sum * scale)
             else:  # the aux loss is a mean per micro-batch: backward's own scaling averages it
                 micro_sum, aux, slots = moe.losses(model, batch["input_ids"], batch["labels"],
-                                                   run.route, positions)
+                                                   run.route, positions, run.loss_head)
                 accelerator.backward(micro_sum * scale + run.route["coef"] * aux)
                 aux_sum += aux.detach()
                 record.expert_slots(slots)

@@ -28,6 +28,7 @@ from torch import nn
 
 from common.config import ConfigError
 from common.model import token_loss
+from train_extras import chunked_loss
 from train_extras.observe.flops import is_experts, routed_experts, text_config
 
 
@@ -54,11 +55,18 @@ def route_for(cfg, model_config, model: nn.Module | None = None) -> dict | None:
 
 
 def losses(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, route: dict,
-           position_ids: torch.Tensor | None = None):
+           position_ids: torch.Tensor | None = None, loss_head: nn.Module | None = None):
     """(token-summed language-model loss, the family's load-balancing loss, routing slots per layer
-    and expert as a (layers, E) tensor) of one micro-batch; nothing leaves the device."""
-    out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, output_router_logits=True)
-    return token_loss(out.logits, labels, "sum"), out.aux_loss, expert_slots(out.router_logits, route)
+    and expert as a (layers, E) tensor) of one micro-batch; nothing leaves the device. `loss_head`:
+    --loss_chunk_size's head (train_extras/chunked_loss.py), which returns token losses."""
+    if loss_head is None:
+        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, output_router_logits=True)
+        loss = token_loss(out.logits, labels, "sum")
+    else:
+        token_losses, out = chunked_loss.token_losses(model, loss_head, input_ids, labels, position_ids,
+                                                      output_router_logits=True)
+        loss = token_losses.sum()
+    return loss, out.aux_loss, expert_slots(out.router_logits, route)
 
 
 def expert_slots(router_logits, route: dict) -> torch.Tensor:

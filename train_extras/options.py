@@ -207,11 +207,49 @@ class MixtureOfExpertsOptions:
 
 
 @dataclass
+class MuonOptions:
+    """--optimizer muon (train_extras/muon.py): the hidden matrices' optimizer and its own hyperparameters."""
+    optimizer: Literal["adamw", "muon"] = field(
+        default="adamw", metadata={"help": "adamw: AdamW on every parameter. muon: torch.optim.Muon on the 2-D "
+                                           "weights of the blocks, AdamW (--lr, --weight_decay, the betas) on the "
+                                           "embeddings, head, norms and biases; one process or DDP only."})
+    muon_lr: float = field(default=0.02, metadata={"help": "Muon's peak learning rate (the schedule scales it as "
+                                                           "it scales --lr)."})
+    muon_weight_decay: float = field(default=0.1, metadata={"help": "Muon's decoupled weight decay."})
+    muon_momentum: float = field(default=0.95, metadata={"help": "Muon's momentum (Nesterov)."})
+    muon_adjust_lr: Literal["original", "match_rms_adamw"] = field(
+        default="original", metadata={"help": "Muon's per-matrix lr scale: original = sqrt(max(1, rows/cols)); "
+                                              "match_rms_adamw = 0.2 sqrt(max(rows, cols)), an update of AdamW's "
+                                              "size (then --muon_lr near --lr)."})
+
+    def check(self):
+        given = [f"--{name}" for name in ("muon_lr", "muon_weight_decay", "muon_momentum", "muon_adjust_lr")
+                 if getattr(self, name) != self.__dataclass_fields__[name].default]
+        if self.optimizer != "muon" and given:
+            raise ConfigError(f"{', '.join(given)} set Muon's hyperparameters: add --optimizer muon")
+        if not self.muon_lr > 0 or self.muon_weight_decay < 0 or not 0 <= self.muon_momentum < 1:
+            raise ConfigError("--muon_lr must be > 0, --muon_weight_decay >= 0 and --muon_momentum in [0, 1)")
+
+
+@dataclass
+class LossOptions:
+    loss_chunk_size: int = field(
+        default=0, metadata={"help": "Compute the output head and the cross-entropy this many tokens at a time "
+                                     "(recomputed in backward): the logits of the whole micro-batch over the "
+                                     "vocabulary are never held at once. 0 = the plain loss. For large "
+                                     "vocabularies: see docs/benchmarks.md for the memory saved."})
+
+    def check(self):
+        if self.loss_chunk_size < 0:
+            raise ConfigError(f"--loss_chunk_size must be >= 0, got {self.loss_chunk_size}")
+
+
+@dataclass
 class TrainConfig(CompileOptions, SampleOptions, TrackingOptions, CheckpointOptions, Fp16Options,
-                  AccumulationOptions, MixtureOfExpertsOptions, RecipeConfig, DocumentOptions, DataAtScaleOptions,
-                  FineTuneOptions):
+                  AccumulationOptions, MixtureOfExpertsOptions, LossOptions, MuonOptions, RecipeConfig,
+                  DocumentOptions, DataAtScaleOptions, FineTuneOptions):
     """Every option of train.py: --help lists the groups from the last base to the first."""
     # FineTuneOptions' check first: it sets --warmup_steps from --warmup_ratio, which OptimizerOptions' checks.
     check_order = (FineTuneOptions, DocumentOptions, DataAtScaleOptions, ModelOptions, DataOptions, OptimizerOptions,
-                   MixtureOfExpertsOptions, AccumulationOptions, Fp16Options, CheckpointOptions, TrackingOptions,
-                   SampleOptions)
+                   MuonOptions, LossOptions, MixtureOfExpertsOptions, AccumulationOptions, Fp16Options,
+                   CheckpointOptions, TrackingOptions, SampleOptions)

@@ -50,6 +50,7 @@ from accelerate.utils import DistributedType, broadcast_object_list, gather_obje
 from common.config import (ConfigError, TrainingError, data_file_list, data_parallel_size, one_line,
                            same_on_every_rank, tensor_parallel_size)
 from common.files import write_json
+from train_extras import muon
 from train_extras.parallel import tensor_parallel
 from train_extras.resume.output_dir import disk_full, free_bytes
 
@@ -213,15 +214,16 @@ REPLICATED = ("NO", "MULTI_CPU", "MULTI_GPU")
 TRAINED_ON = ("seed", "seq_len", "preset", "model_name_or_path", "tokenizer_name_or_path", "dataset_name",
               "dataset_config", "dataset_split", "eval_split", "txt_documents", "text_column", "eval_fraction",
               "add_bos", "packing", "chat_column", "overlong", "document_mask", "weight_decay", "adam_beta1",
-              "adam_beta2", "adam_eps")
+              "adam_beta2", "adam_eps", "optimizer", "muon_weight_decay", "muon_momentum", "muon_adjust_lr")
 # What a resumed run may change, applied from its first step and recorded as applied; every other
 # option changes nothing that was trained (cadences of logs, samples, trackers, timeouts, export).
-APPLIED_ON_RESUME = ("lr", "lr_schedule", "warmup_steps", "warmup_ratio", "min_lr_ratio", "decay_fraction", "max_steps",
-                     "max_grad_norm", "eval_every", "eval_batches", "save_every", "save_total_limit", "log_every")
+APPLIED_ON_RESUME = ("lr", "muon_lr", "lr_schedule", "warmup_steps", "warmup_ratio", "min_lr_ratio", "decay_fraction",
+                     "max_steps", "max_grad_norm", "eval_every", "eval_batches", "save_every", "save_total_limit",
+                     "log_every")
 
 # What a checkpoint saved before an option existed was trained with: packed documents were not
 # masked apart before --document_mask (a resume with the mask on would train another model).
-BEFORE_THE_OPTION = {"document_mask": False}
+BEFORE_THE_OPTION = {"document_mask": False, "optimizer": "adamw"}
 
 # What makes a stream the same stream: a resumed streamed run skips that many blocks of it.
 STREAM_IDENTITY = ("data_files", "dataset_name", "dataset_config", "dataset_split", "text_column", "txt_documents",
@@ -347,7 +349,7 @@ def apply_schedule(scheduler, cfg) -> None:
     at the resumed step, so a changed --lr, schedule or --max_steps holds from the first resumed
     step; unchanged, the values are bitwise those saved (the same expression LambdaLR computes)."""
     inner = getattr(scheduler, "scheduler", scheduler)  # accelerate's AcceleratedScheduler wraps it
-    inner.base_lrs = [cfg.lr for _ in inner.base_lrs]  # every group starts from --lr (common/model.py)
+    inner.base_lrs = muon.peak_lrs(inner.optimizer, cfg)  # --lr, and --muon_lr for Muon's groups
     for group, base, lr_at in zip(inner.optimizer.param_groups, inner.base_lrs, inner.lr_lambdas, strict=True):
         group["initial_lr"], group["lr"] = base, base * lr_at(inner.last_epoch)
     inner._last_lr = [group["lr"] for group in inner.optimizer.param_groups]
