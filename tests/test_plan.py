@@ -661,3 +661,45 @@ def test_dense_compute_line_uses_every_parameter(capsys):
     n = f"{shape.n_params / 1e6:.1f}M"
     assert line.startswith(f"Parameters: {n} total (memory), {n} active per token (dense). Compute: {expected:.3e} "
                            "FLOPs/token at seq_len 128")
+
+
+# ---------------------------------------------------------------------------------------------
+# --optimizer muon: one fp32 state per hidden-matrix parameter, AdamW's two on the rest
+# ---------------------------------------------------------------------------------------------
+
+def test_muon_states_counted_on_three_families(tmp_path, capsys):
+    """The planner's Muon share is what train.py's optimizer gives Muon (train_extras/muon.py),
+    and its optimizer bytes are what torch's Muon and AdamW allocate after one step."""
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
+
+    from train_extras import muon
+
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512)
+    tied = Qwen2Config(**small, tie_word_embeddings=True)
+    for name, config in (("llama", LlamaConfig(**small)), ("qwen2_tied", tied),
+                         ("gpt2", GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=1000, n_positions=512))):
+        folder = tmp_path / name
+        config.save_pretrained(folder)
+        shape = plan.model_shape(None, str(folder))
+        model = AutoModelForCausalLM.from_config(config)
+        hidden = sum(p.numel() for p in muon.hidden_matrices(model))
+        assert shape.muon_params == hidden and 0 < hidden < shape.n_params, name
+        cfg = TrainConfig(optimizer="muon")
+        optimizer = muon.build_optimizer(model, cfg, torch.device("cpu"))
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        allocated = sum(t.numel() * t.element_size() for state in optimizer.state.values()
+                        for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+        states = plan.model_state_bytes("single", shape.n_params, 1, "bf16", shape, muon_params=shape.muon_params)
+        assert states["at_rest"]["device"]["optimizer"] == allocated == 4 * hidden + 8 * (shape.n_params - hidden)
+        code, out, _ = run_cli(capsys, "--model_name_or_path", str(folder), "--optimizer", "muon", "--gpus", "8")
+        rungs = [row.split()[1] for row in out.splitlines() if row[:3].strip().isdigit()]
+        assert code == 0 and rungs == ["DDP"], out  # FSDP2 and ZeRO shard the matrices: refused by train.py
+        assert "--optimizer muon" in out.splitlines()[-1]  # the suggested launch line
+
+
+def test_muon_needs_the_shape(capsys):
+    code, out, err = run_cli(capsys, "--params", "7e9", "--optimizer", "muon")
+    assert code == 2 and out == "" and err.startswith("error: --optimizer muon needs the model's shape")

@@ -13,8 +13,6 @@ scales every group from its own peak (--muon_lr for Muon's, --lr for the rest).
 
 from __future__ import annotations
 
-from collections import ChainMap
-
 import torch
 from accelerate.utils import DistributedType
 from torch import nn
@@ -64,8 +62,8 @@ def peak_lrs(optimizer, cfg) -> list[float]:
 
 class MuonWithAdamW(torch.optim.Optimizer):
     """Two torch optimizers behind one Optimizer: param_groups (AdamW's first, so the logged lr is
-    --lr's schedule) and state are theirs, read through on every access (load_state_dict replaces
-    their group dicts), and state_dict nests both."""
+    --lr's schedule) and state are theirs, read on every access (load_state_dict replaces their
+    group dicts), and state_dict nests both."""
 
     def __init__(self, adamw: torch.optim.AdamW, muon: torch.optim.Muon):
         params = [p for part in (adamw, muon) for group in part.param_groups for p in group["params"]]
@@ -82,9 +80,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.__dict__["_base_groups"] = groups
 
     @property
-    def state(self):
+    def state(self) -> dict:
+        """Both optimizers' states, merged into a new dict: reading it creates nothing (a ChainMap
+        would, through AdamW's defaultdict, and AdamW's state_dict would then fail on Muon's keys)."""
         parts = self.__dict__.get("parts")
-        return ChainMap(*(part.state for part in parts)) if parts else self.__dict__["_base_state"]
+        return {p: s for part in parts for p, s in part.state.items()} if parts else self.__dict__["_base_state"]
 
     @state.setter
     def state(self, state):

@@ -25,6 +25,7 @@ class Request:
     reserve_gb: float = 2.0
     host_memory_gb: float | None = None  # CPU RAM per machine; None: host RAM is not checked
     gpus_per_node: int | None = None  # GPUs per machine (None: 8); processes per machine = min(gpus, this)
+    optimizer: str = "adamw"  # "muon": train.py's --optimizer muon (one GPU or DDP only)
 
     @property
     def usable(self) -> float:
@@ -35,6 +36,7 @@ class Request:
         return min(self.gpus, self.gpus_per_node or GPUS_PER_NODE)
 
 
+MUON_FRAMEWORKS = ("single", "ddp")  # whole matrices on every rank (train_extras/muon.py check_launch)
 TIGHT = 0.9  # a peak above this share of the usable GPU memory is printed "tight"
 
 
@@ -51,7 +53,10 @@ def evaluate(model: ModelShape | float, req: Request) -> list[dict]:
     n_params = shape.n_params if shape else float(model)
     rows = []
     for rung in ladder(req.gpus, req.gpus_per_node):
-        states = model_state_bytes(rung, n_params, req.gpus, req.precision, shape, req.textbook, req.gpus_per_node)
+        if req.optimizer == "muon" and rung.framework not in MUON_FRAMEWORKS:
+            continue  # train.py refuses Muon where the matrices are sharded
+        states = model_state_bytes(rung, n_params, req.gpus, req.precision, shape, req.textbook, req.gpus_per_node,
+                                   muon_params=shape.muon_params if shape and req.optimizer == "muon" else 0)
         dev, tr = states["at_step"]["device"], states["transient"]
         act = (activation_bytes(shape, regime_of(rung, req.precision), req.seq_len, req.micro_batch_size,
                                 req.activation_checkpointing) if shape else None)
@@ -101,6 +106,8 @@ def launch_line(rung: Rung, req: Request, model_args: str) -> str:
     if req.activation_checkpointing and rung.framework == "fsdp":
         parts.append("--fsdp_activation_checkpointing true")  # the configs' advice: FSDP's own switch
     parts += ["recipes/train.py", model_args, f"--seq_len {req.seq_len}", f"--micro_batch_size {req.micro_batch_size}"]
+    if req.optimizer == "muon":
+        parts.append("--optimizer muon")
     if req.activation_checkpointing and rung.framework != "fsdp":
         parts.append("--gradient_checkpointing")
     line = " ".join(parts)

@@ -38,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--micro_batch_size", type=int, default=16, help="sequences per GPU per step (train.py's: 16)")
     p.add_argument("--activation_checkpointing", action="store_true", help="checkpoint every block")
     p.add_argument("--textbook", action="store_true", help="model states from the ZeRO paper instead")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="train.py's --optimizer: muon keeps one fp32 state per hidden-matrix parameter, AdamW two; "
+                        "Muon rungs: one GPU and DDP only (default adamw)")
     return p
 
 
@@ -58,6 +61,9 @@ def _check(args) -> None:
         raise PlanError(f"--params must be a positive parameter count, got {args.params:g}")
     if args.gpus_per_node is not None and args.gpus_per_node <= 0:
         raise PlanError(f"--gpus_per_node must be a positive number of GPUs, got {args.gpus_per_node}")
+    if args.optimizer == "muon" and (args.params is not None or args.textbook):
+        raise PlanError("--optimizer muon needs the model's shape (--preset or --model_name_or_path), not --params "
+                        "or --textbook: it counts the hidden matrices")
     if args.host_memory_gb is not None and not args.host_memory_gb > 0:
         raise PlanError(f"--host_memory_gb must be positive, got {args.host_memory_gb:g}")
 
@@ -127,6 +133,10 @@ def render(model, req: Request, rows: list[dict], model_args: str) -> str:
                f"reserved for CUDA context, NCCL, fragmentation), {req.precision}, seq_len {req.seq_len}, "
                f"micro_batch_size {req.micro_batch_size}, activation checkpointing "
                f"{'on' if req.activation_checkpointing else 'off'}")
+    if req.optimizer == "muon":
+        out.append(f"--optimizer muon: torch's Muon on the {_count(shape.muon_params)} hidden-matrix parameters (one "
+                   "fp32 momentum each), AdamW on the rest (two); one-GPU and DDP rungs only (train.py refuses Muon "
+                   "on sharded matrices)")
     if req.textbook:
         out.append("Model states: ZeRO paper (fp16 mixed precision, Adam, K=12), not what the frameworks keep here. "
                    "FSDP2 rows are analogies (the paper has no FSDP): no reshard ~ ZeRO-2 (2 + 14/W: every "
@@ -220,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                       seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
                       activation_checkpointing=args.activation_checkpointing, textbook=args.textbook,
                       reserve_gb=args.reserve_gb, host_memory_gb=args.host_memory_gb,
-                      gpus_per_node=args.gpus_per_node)
+                      gpus_per_node=args.gpus_per_node, optimizer=args.optimizer)
         if args.params is not None:
             model, model_args = args.params, "--model_name_or_path <MODEL>"
         else:

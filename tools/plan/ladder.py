@@ -108,6 +108,7 @@ class ModelShape:
     attention_flops: int = 0  # 12 * L * H * Q: FLOPs per token per position of context
     experts: int = 0  # routed experts per MoE layer (0: dense)
     top_k: int = 0  # of them per token
+    muon_params: int = 0  # --optimizer muon's part: the hidden matrices (train_extras/muon.py); AdamW has the rest
 
     def flops_per_token(self, seq_len: int) -> float | None:
         """Training FLOPs per token at seq_len, as train.py's MFU counts them (flops.flops_per_token)."""
@@ -156,6 +157,7 @@ def model_shape(preset: str | None = None, model_name_or_path: str | None = None
     except (ValueError, KeyError) as err:
         raise PlanError(f"cannot build a causal LM from that config: {str(err).splitlines()[0]}") from None
     from common.config import ConfigError
+    from train_extras import muon
     from train_extras.observe import flops
 
     try:  # compute from the parameters a token uses (a mixture of experts: top-k of its experts)
@@ -205,6 +207,7 @@ def model_shape(preset: str | None = None, model_name_or_path: str | None = None
             attention_flops=12 * dims["layers"] * dims["heads"] * dims["head_dim"],
             experts=moe["experts"] if moe else 0,
             top_k=moe["top_k"] if moe else 0,
+            muon_params=sum(p.numel() for p in muon.hidden_matrices(model)),
         )
     except AttributeError as err:  # the probe needs a Llama-like decoder's fields
         raise PlanError(f"{model_name_or_path}: not a Llama-like decoder config ({err})") from None

@@ -92,7 +92,7 @@ def textbook_bytes(rung: Rung | str, n_params: float, world_size: int) -> dict:
 
 def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precision: str = "bf16",
                       shape: ModelShape | None = None, textbook: bool = False,
-                      gpus_per_node: int | None = None) -> dict:
+                      gpus_per_node: int | None = None, muon_params: float = 0) -> dict:
     """Bytes PER RANK of parameters, gradients, optimizer states and framework buffers, as the
     framework of `rung` keeps them in this repo (model built in fp32; torch AdamW, DeepSpeedCPUAdam
     under ZeRO-3 offload; accelerate defaults; the DeepSpeed JSONs in accelerate_configs/).
@@ -102,6 +102,8 @@ def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precis
     flight) are left out and named in "unknown".
     gpus_per_node: HSDP only: the GPUs of one machine, over which it shards (default
     min(world_size, 8)); every other rung shards over the whole world_size.
+    muon_params: one GPU and DDP only: the parameters --optimizer muon gives torch's Muon (one fp32
+    momentum buffer each, where AdamW keeps two); AdamW keeps the rest.
 
     Returns a dict:
       rung, config, world_size, shard_group (the ranks one copy is sharded over), precision, n_params, textbook
@@ -153,8 +155,11 @@ def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precis
         add("fp32 parameters", "params", "rest", 4 * P,
             "common/model.py build_model (fp32); accelerate/accelerator.py:1824-1835 (autocast wraps forward)",
             at_init=True)
-        add("AdamW exp_avg + exp_avg_sq, fp32", "optimizer", "rest", 8 * P,
-            "torch/optim/adam.py _init_group: zeros_like(param) for both states")
+        if muon_params:
+            add("Muon momentum_buffer, fp32 (the hidden matrices)", "optimizer", "rest", 4 * muon_params,
+                "torch/optim/_muon.py _init_group: zeros_like(grad), one state per parameter")
+        add("AdamW exp_avg + exp_avg_sq, fp32" + (" (embeddings, head, norms)" if muon_params else ""), "optimizer",
+            "rest", 8 * (P - muon_params), "torch/optim/adam.py _init_group: zeros_like(param) for both states")
         add_build()
         add("fp32 gradients (.grad)", "grads", "step", 4 * P,
             "autograd accumulates in the parameter dtype; zero_grad(set_to_none=True) frees them")
