@@ -154,6 +154,31 @@ def plot(parts: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def report(args, default_runs: dict, split_runs: dict, rounds: int) -> None:
+    """The table, plot and results.json of the rounds done so far."""
+    header = ["run", "seconds to target, min / median / max", "wall s (median)", "final loss (median)",
+              "tokens"]
+    rows = [["**default job, target 1.7319**", "", "", "", ""], *table_rows(default_runs, DEFAULT_TARGET)]
+    commit = None
+    if args.nanogpt:
+        commit = subprocess.run(["git", "-C", str(args.nanogpt), "rev-parse", "HEAD"], capture_output=True,
+                                text=True).stdout.strip() or "unknown"
+    rows += [["**nanoGPT's CPU run and split, target 1.891**", "", "", "", ""],
+             *table_rows(split_runs, NANOGPT_TARGET)]
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot({"default job": (default_runs, DEFAULT_TARGET), "nanoGPT's CPU run": (split_runs, NANOGPT_TARGET)},
+         args.out / "time_to_loss.png")
+    notes = [f"{rounds} of {args.repeats} interleaved rounds; each round runs every row once, in this order.",
+             "Seconds: from the launch command to the end of the first eval at or below the target, start-up "
+             "included, our evaluations excluded (see the script's docstring); wall: the whole launch, evals "
+             "included (eval every 30 steps, 50 on nanoGPT's split, where its eval_interval is 250).",
+             f"nanoGPT: commit {commit}, `python {' '.join(NANOGPT_COMMAND)}`" if commit else "nanoGPT: not run.",
+             "Commands: results.json (each run's command and curve); time_to_loss.png (the median run of each)."]
+    write_results(args.out, "Time to a held-out loss: the default job, Muon, --compile, and nanoGPT's CPU run",
+                  header, rows, notes, {"default_job": default_runs, "nanogpt_split": split_runs,
+                                        "nanogpt_commit": commit})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nanogpt", type=Path, help="a nanoGPT checkout (git clone); without it part 2 is skipped")
@@ -174,27 +199,7 @@ def main() -> None:
             split_runs[name].append(ours(run_args, work / f"split{i}", eval_every=50))
         print(f"round {repeat + 1}: " + ", ".join(f"{n} {time_to(r[-1]['curve'], NANOGPT_TARGET)} s"
                                                   for n, r in split_runs.items()), flush=True)
-    header = ["run", "seconds to target, min / median / max", "wall s (median)", "final loss (median)",
-              "tokens"]
-    rows = [["**default job, target 1.7319**", "", "", "", ""], *table_rows(default_runs, DEFAULT_TARGET)]
-    commit = None
-    if args.nanogpt:
-        commit = subprocess.run(["git", "-C", str(args.nanogpt), "rev-parse", "HEAD"], capture_output=True,
-                                text=True).stdout.strip() or "unknown"
-    rows += [["**nanoGPT's CPU run and split, target 1.891**", "", "", "", ""],
-             *table_rows(split_runs, NANOGPT_TARGET)]
-    args.out.mkdir(parents=True, exist_ok=True)
-    plot({"default job": (default_runs, DEFAULT_TARGET), "nanoGPT's CPU run": (split_runs, NANOGPT_TARGET)},
-         args.out / "time_to_loss.png")
-    notes = [f"{args.repeats} interleaved rounds; each round runs every row once, in this order.",
-             "Seconds: from the launch command to the end of the first eval at or below the target, start-up "
-             "included, our evaluations excluded (see the script's docstring); wall: the whole launch, evals "
-             "included (eval every 30 steps, 50 on nanoGPT's split, where its eval_interval is 250).",
-             f"nanoGPT: commit {commit}, `python {' '.join(NANOGPT_COMMAND)}`" if commit else "nanoGPT: not run.",
-             "Commands: results.json (each run's command and curve); time_to_loss.png (the median run of each)."]
-    write_results(args.out, "Time to a held-out loss: the default job, Muon, --compile, and nanoGPT's CPU run",
-                  header, rows, notes, {"default_job": default_runs, "nanogpt_split": split_runs,
-                                        "nanogpt_commit": commit})
+        report(args, default_runs, split_runs, rounds=repeat + 1)  # an interrupted benchmark keeps its rounds
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from common import model as modeling
 from common.config import ConfigError, tensor_parallel_size
+from train_extras import model_probe
 
 
 def check_launch(cfg, accelerator) -> None:
@@ -47,7 +48,7 @@ def install(model: nn.Module, chunk_size: int) -> nn.Module | None:
 
 
 def _forward(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
-    """Logits, or (targets set by `token_losses`) each token's cross-entropy, fp32, (batch, seq)."""
+    """Logits, or (targets set by `loss_and_output`) each token's cross-entropy, fp32, (batch, seq)."""
     targets = head.loss_targets
     if targets is None:
         return nn.Linear.forward(head, hidden)
@@ -72,19 +73,20 @@ def _targets(head: nn.Module, labels: torch.Tensor):
         head.loss_targets = None
 
 
-def token_losses(model, head, input_ids, labels, position_ids=None, **kwargs):
-    """(per-token losses (batch, seq), 0 where ignored; the model's output) of one forward."""
+def loss_and_output(model, head, input_ids, labels, reduction: str, position_ids=None, **model_kwargs):
+    """(the loss with common/model.py's reductions, the model's output) of one forward: the chunked
+    head's token losses when `head` is installed, common/model.py's loss of the logits otherwise."""
+    if head is None:
+        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **model_kwargs)
+        return modeling.token_loss(out.logits, labels, reduction), out
     with _targets(head, labels):
-        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
-    return out.logits, out
+        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **model_kwargs)
+    return reduce(out.logits, labels, reduction), out  # the head returned (batch, seq) token losses
 
 
 def causal_lm_loss(model, head, input_ids, labels, reduction: str = "mean", position_ids=None):
     """common/model.py's causal_lm_loss (same reductions), chunked when `head` is installed."""
-    if head is None:
-        return modeling.causal_lm_loss(model, input_ids, labels, reduction, position_ids)
-    losses, _ = token_losses(model, head, input_ids, labels, position_ids)
-    return reduce(losses, labels, reduction)
+    return loss_and_output(model, head, input_ids, labels, reduction, position_ids)[0]
 
 
 def reduce(losses: torch.Tensor, labels: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -100,20 +102,10 @@ def check_plain_head(model, head, accelerator, vocab_size: int) -> None:
     12-token row's chunked loss must equal the plain loss of its logits. One line otherwise."""
     if head is None:
         return
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab_size, (1, 13), generator=generator).to(accelerator.device)
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
+    ids = model_probe.random_row(vocab_size, 13, accelerator.device)
+    with model_probe.inference(model):
         plain = modeling.causal_lm_loss(model, ids[:, :-1], ids[:, 1:], "none")
         chunked = causal_lm_loss(model, head, ids[:, :-1], ids[:, 1:], "none")
-    model.train(was_training)
-    gap = (plain - chunked).abs().max().item()
-    if not gap <= 1e-4 * max(plain.abs().max().item(), 1.0):
-        from common.config import same_on_every_rank
-        from common.export import unwrap
-
-        name = type(unwrap(accelerator, model)).__name__
-        with same_on_every_rank():
-            raise ConfigError(f"--loss_chunk_size: {name} changes its logits after the output head (its loss "
-                              f"differs by {gap:.2g} from the head's own): use --loss_chunk_size 0")
+    model_probe.refuse_if_apart(plain, chunked, accelerator, model,
+                                "--loss_chunk_size: {model} changes its logits after the output head (its loss "
+                                "differs by {gap} from the head's own): use --loss_chunk_size 0")

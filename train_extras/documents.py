@@ -22,7 +22,7 @@ from torch.utils.data import Dataset
 
 from common import data
 from common.config import ConfigError
-from train_extras import conversations
+from train_extras import conversations, model_probe
 
 
 def restart_positions(starts: np.ndarray, begin: int, length: int) -> np.ndarray:
@@ -190,30 +190,20 @@ def identity(cfg, tokenizer, kind: str) -> dict:
             "mixture": mixture.identity(cfg) if cfg.data_mixture else None}
 
 
-@torch.no_grad()
 def check_kept_apart(model, accelerator, vocab_size: int) -> None:
     """--document_mask needs a model that builds its attention mask from position ids (Llama, Qwen,
     Mistral, Gemma, GPT-2, GPT-NeoX, Phi... in transformers 5); some take position ids and still let
     documents see each other (OPT), some take none (BLOOM's ALiBi). Asked of the model itself, on
     every rank (a sharded model needs them all): two 8-token documents in one row, the first one
     changed; the second's logits must not move. One error line otherwise, before training."""
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab_size, (1, 16), generator=generator).to(accelerator.device)
+    ids = model_probe.random_row(vocab_size, 16, accelerator.device)
     changed = ids.clone()
     changed[0, :7] = (changed[0, :7] + 1) % vocab_size
     positions = torch.cat([torch.arange(8), torch.arange(8)])[None].to(accelerator.device)
-    was_training = model.training
-    model.eval()
-    before, after = (model(input_ids=x, position_ids=positions, use_cache=False).logits[0, 8:].float()
-                     for x in (ids, changed))
-    model.train(was_training)
-    moved, scale = (after - before).abs().max().item(), before.abs().max().item()
-    if moved > 1e-4 * max(scale, 1.0):
-        from common.config import same_on_every_rank
-        from common.export import unwrap
-
-        name = type(unwrap(accelerator, model)).__name__
-        with same_on_every_rank():
-            raise ConfigError(f"--document_mask: {name} does not keep packed documents apart by their position ids "
-                              f"(a document's logits moved by {moved:.2g} when the one before it changed): use "
-                              "--document_mask false (documents then see each other) or --packing false")
+    with model_probe.inference(model):
+        before, after = (model(input_ids=x, position_ids=positions, use_cache=False).logits[0, 8:]
+                         for x in (ids, changed))
+    model_probe.refuse_if_apart(before, after, accelerator, model,
+                                "--document_mask: {model} does not keep packed documents apart by their position "
+                                "ids (a document's logits moved by {gap} when the one before it changed): use "
+                                "--document_mask false (documents then see each other) or --packing false")

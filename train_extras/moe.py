@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from common.config import ConfigError
-from common.model import token_loss
 from train_extras import chunked_loss
 from train_extras.observe.flops import is_experts, routed_experts, text_config
 
@@ -59,13 +58,8 @@ def losses(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, rout
     """(token-summed language-model loss, the family's load-balancing loss, routing slots per layer
     and expert as a (layers, E) tensor) of one micro-batch; nothing leaves the device. `loss_head`:
     --loss_chunk_size's head (train_extras/chunked_loss.py), which returns token losses."""
-    if loss_head is None:
-        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, output_router_logits=True)
-        loss = token_loss(out.logits, labels, "sum")
-    else:
-        token_losses, out = chunked_loss.token_losses(model, loss_head, input_ids, labels, position_ids,
-                                                      output_router_logits=True)
-        loss = token_losses.sum()
+    loss, out = chunked_loss.loss_and_output(model, loss_head, input_ids, labels, "sum", position_ids,
+                                             output_router_logits=True)
     return loss, out.aux_loss, expert_slots(out.router_logits, route)
 
 
