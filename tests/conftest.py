@@ -23,6 +23,7 @@ from common.files import write_json
 from common.model import build_model
 from synthetic import corpus_file
 from train_extras.options import TrainConfig
+import warm_launch
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
@@ -54,7 +55,8 @@ def launch_env(hf_home: Path) -> dict:
         HF_DATASETS_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
         PYTHONUNBUFFERED="1",
-        PYTHONPATH=str(PROBES),
+        # The checkout under test first (not whatever copy of the package is installed), then the probes.
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(PROBES)]),
         ACCELERATE_RECIPES_CPUINFO_CACHE=str(hf_home / "cpuinfo.json"),  # see tests/probes/sitecustomize.py
     )
     return env
@@ -105,16 +107,45 @@ def launch_command(recipe: str, args: list[str], hf_home: Path, config: str = "c
     cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "accelerate_configs" / config), *launch_args,
            str(recipe_path or ROOT / "recipes" / recipe), *args]
     full_env = launch_env(hf_home)
+    if recipe_path is not None and ROOT not in Path(recipe_path).resolve().parents:
+        full_env["PYTHONPATH"] = str(PROBES)  # a recipe copied out of the repository imports its own copies
     if "--output_dir" in args:
         full_env["ACCELERATE_RECIPES_PROBE_DIR"] = str(probe_dir(Path(args[args.index("--output_dir") + 1])))
     return cmd, {**full_env, **(env or {})}
 
 
+_zygotes: dict[tuple, warm_launch.Zygote] = {}  # the warm processes of tests/warm_launch.py, by Zygote.key
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_zygotes():
+    yield
+    for zygote in _zygotes.values():
+        zygote.close()
+
+
+def warm_or_cold(cmd: list[str], full_env: dict, cwd: Path, timeout: int):
+    """A 1-process launch forked from the warm process (same worker command and environment as
+    `accelerate launch` gives, ~8 s less start-up: tests/warm_launch.py); anything else launched."""
+    worker = warm_launch.simple_launch(cmd[2:], full_env)
+    key = warm_launch.Zygote.key(worker[1]) if worker is not None else None
+    if key is not None:
+        if key not in _zygotes:
+            _zygotes[key] = warm_launch.Zygote(worker[1])
+        return _zygotes[key].run(*worker, cwd, timeout)
+    return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
 def launch(recipe: str, args: list[str], hf_home: Path, config: str = "cpu.yaml", check: bool = True,
            timeout: int = 900, launch_args: list[str] | None = None, env: dict | None = None,
-           recipe_path: Path | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+           recipe_path: Path | None = None, cwd: Path = ROOT, warm: bool = True) -> subprocess.CompletedProcess:
+    """`accelerate launch` of a recipe; with `warm` (default) a 1-process launch runs forked from the
+    warm process (tests/warm_launch.py), warm=False keeps the real launcher."""
     cmd, full_env = launch_command(recipe, args, hf_home, config, launch_args, env, recipe_path)
-    proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if warm:
+        proc = warm_or_cold(cmd, full_env, cwd, timeout)
+    else:
+        proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         # The launcher's own traceback comes last; the workers' errors are earlier in stderr.
         worker_lines = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line]
@@ -213,9 +244,11 @@ def reference_run(recipe: str, train_run: Run, train_run_unmasked: Run) -> Run:
 
 @pytest.fixture(scope="session")
 def train_run_again(tmp_path_factory, hf_home, train_run):
-    """The same command again (after train_run, so it also shows the tokenised cache is reused)."""
+    """The same command again (after train_run, so it also shows the tokenised cache is reused),
+    through the real launcher: train_run, like every 1-process run, is forked from the warm process
+    (tests/warm_launch.py), so the two runs also show that both ways train the same."""
     out = tmp_path_factory.mktemp("train_debug_again")
-    return Run(out, launch("train.py", TRAIN_ARGS + ["--output_dir", str(out)], hf_home))
+    return Run(out, launch("train.py", TRAIN_ARGS + ["--output_dir", str(out)], hf_home, warm=False))
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from conftest import DEBUG_ARGS, Run, check_export_reproduces_model, check_loss_goes_down, launch
+from conftest import DEBUG_ARGS, ROOT, Run, check_export_reproduces_model, check_loss_goes_down, launch
 
 # Loss of the first training step of DEBUG_ARGS (seed 1234): fixes init + data + loss together.
 # Any change to the preset, the generator, the packing or the initialisation moves it.
@@ -53,10 +53,25 @@ def test_train_export_reloads_with_same_logits(train_run):
 
 
 def test_same_seed_gives_identical_losses(train_run, train_run_again):
+    """Also the warm launch's check: train_run was forked from the warm process, train_run_again
+    started by `accelerate launch` itself; the same samples, losses, evals and trained logits."""
     first = [row["loss"] for row in train_run.summary["losses"]]
     second = [row["loss"] for row in train_run_again.summary["losses"]]
     assert first == second
     assert [e["loss"] for e in train_run.summary["eval"]] == [e["loss"] for e in train_run_again.summary["eval"]]
+    assert train_run.batches == train_run_again.batches
+    assert train_run.final[0]["probe_logits"] == train_run_again.final[0]["probe_logits"]
+    assert train_run.summary["setup"]["mixed_precision"] == train_run_again.summary["setup"]["mixed_precision"]
+    assert not hasattr(train_run_again.proc, "worker_returncode") and hasattr(train_run.proc, "worker_returncode")
+
+
+def test_launched_processes_import_the_checkout_under_test(train_run, train_run_again):
+    """The launch environment puts this checkout first on PYTHONPATH: a launched recipe imports its
+    `common` from here, not from whatever copy of the package is installed (a scratch clone of the
+    repository, e.g. the mutation check's, tests its own code)."""
+    for run in (train_run, train_run_again):
+        assert run.summary["setup"]["code"] == {"recipe": str(ROOT / "recipes" / "train.py"),
+                                                "common": str(ROOT / "common")}
 
 
 def test_tokenised_data_is_cached_between_runs(hf_home, train_run, train_run_again):
