@@ -36,13 +36,13 @@ The export at the end of a run is common/export.py.
 
 from __future__ import annotations
 
-from pathlib import Path
-
+import dataclasses
 import json
 import os
 import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import xxhash
 from accelerate.utils import DistributedType, broadcast_object_list, gather_object
@@ -223,7 +223,20 @@ APPLIED_ON_RESUME = ("lr", "muon_lr", "lr_schedule", "warmup_steps", "warmup_rat
 
 # What a checkpoint saved before an option existed was trained with: packed documents were not
 # masked apart before --document_mask (a resume with the mask on would train another model).
+# Any other option it does not record takes its default (saved_options).
 BEFORE_THE_OPTION = {"document_mask": False, "optimizer": "adamw"}
+
+
+def saved_options(meta: dict, cfg) -> dict:
+    """The options a checkpoint was trained with: those checkpoint.json records, and for an option
+    added since (not recorded), what the code that wrote it did: BEFORE_THE_OPTION's value, else
+    the option's default (an option is added with the old behaviour as its default). So a resume
+    checks and reports a newer option against that, instead of skipping it."""
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                for f in dataclasses.fields(cfg)
+                if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+    return {**defaults, **BEFORE_THE_OPTION, **meta.get("config", {})}
+
 
 # What makes a stream the same stream: a resumed streamed run skips that many blocks of it.
 STREAM_IDENTITY = ("data_files", "dataset_name", "dataset_config", "dataset_split", "text_column", "txt_documents",
@@ -236,7 +249,7 @@ def check_compatible(path: str | Path, cfg, accelerator, meta: dict) -> dict:
     strategy, another global batch, or a world-size change the strategy cannot reshard. `meta`: its
     checkpoint.json as resume_point verified it. Returns it."""
     meta_file = Path(path) / METADATA
-    saved_cfg, saved_setup = {**BEFORE_THE_OPTION, **meta.get("config", {})}, meta.get("setup", {})
+    saved_cfg, saved_setup = saved_options(meta, cfg), meta.get("setup", {})
     saved_model = saved_cfg.get("model_name_or_path") or f"preset {saved_cfg.get('preset')!r}"
     this_model = cfg.model_name_or_path or f"preset {cfg.preset!r}"
     if saved_cfg.get("model_name_or_path") is None and cfg.model_name_or_path is None and saved_model != this_model:
@@ -338,7 +351,7 @@ def check_same_data(path, meta: dict, data: dict) -> None:
 def resume_changes(meta: dict, cfg) -> dict:
     """{option: [checkpoint's value, this run's]} for the options a resumed run may change (the
     schedule, its length, clipping, cadences): this run applies its own (`apply_schedule`)."""
-    saved_cfg = meta.get("config", {})
+    saved_cfg = saved_options(meta, cfg)
     return {key: [saved_cfg[key], getattr(cfg, key)] for key in APPLIED_ON_RESUME
             if key in saved_cfg and saved_cfg[key] != getattr(cfg, key)}
 
@@ -369,7 +382,7 @@ def data_position(meta: dict, cfg, world_size: int, batches_per_epoch: int) -> t
 
 
 def _samples_into_epoch(meta: dict, cfg, world_size: int) -> tuple[int, int]:
-    saved_cfg = meta["config"]
+    saved_cfg = saved_options(meta, cfg)
     saved_world = meta["setup"].get("data_parallel_size", meta["setup"]["world_size"])  # batch-splitting ranks
     epoch, skip = divmod(meta["micro_batches_done"], meta["batches_per_epoch"])
     samples_into_epoch = skip * saved_world * saved_cfg["micro_batch_size"]
