@@ -104,6 +104,7 @@ def launch_command(recipe: str, args: list[str], hf_home: Path, config: str = "c
     if config.startswith("deepspeed") and "--mixed_precision" in launch_args:  # the JSON decides: say it there
         precision = launch_args[launch_args.index("--mixed_precision") + 1]
         launch_args = [*launch_args, "--deepspeed_config_file", str(deepspeed_json_in(config, precision))]
+    REACHED_RECIPES.add(Path(recipe_path or ROOT / "recipes" / recipe))
     cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "accelerate_configs" / config), *launch_args,
            str(recipe_path or ROOT / "recipes" / recipe), *args]
     full_env = launch_env(hf_home)
@@ -156,6 +157,7 @@ def launch(recipe: str, args: list[str], hf_home: Path, config: str = "cpu.yaml"
 
 def load_recipe(name: str):
     """A recipe file as a module (its main() and Options), in this process."""
+    REACHED_RECIPES.add(ROOT / "recipes" / f"{name}.py")  # reached in this process (the quick tier's check)
     spec = importlib.util.spec_from_file_location(f"recipe_{name}", ROOT / "recipes" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -396,3 +398,52 @@ def fp16_train_run(tmp_path_factory, hf_home):
     proc = launch("train.py", args, hf_home, config="fp16.yaml",
                   launch_args=["--cpu", "--num_cpu_threads_per_process", "2"], env=HARNESS)
     return Run(out, proc)
+
+
+# ---- the quick tier (`python -m pytest -m quick`): every module, in minutes ----
+# Tests marked `quick` launch nothing heavier than one 1-process train.py run (train_run); the tier
+# must import every module of the product (in this process, or in a recipe it launches), which the
+# session's end checks.
+PRODUCT_PACKAGES = ("common", "train_extras", "tools")
+REACHED_RECIPES: set[Path] = set()  # recipes the session launched or loaded in-process
+
+
+def product_modules() -> set[str]:
+    """Every module of the product: common/, train_extras/, tools/ (dotted names), recipes/ (files)."""
+    names = {".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+             for package in PRODUCT_PACKAGES for path in (ROOT / package).rglob("*.py")
+             if path.name != "__main__.py"}  # `python -m` stubs: they call a main the tests call
+    return names | {f"recipes/{path.name}" for path in (ROOT / "recipes").glob("*.py")}
+
+
+def imported_by(path: Path, seen: set[str]) -> set[str]:
+    """The product modules a file imports, and theirs in turn (read from the source, nothing run)."""
+    import ast
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = ([alias.name for alias in node.names] if isinstance(node, ast.Import) else
+                 [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+                 if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+        for name in names:
+            where = ROOT / Path(*name.split("."))
+            for candidate in where.with_suffix(".py"), where / "__init__.py":
+                if name.split(".")[0] in PRODUCT_PACKAGES and name not in seen and candidate.exists():
+                    seen.add(name)
+                    imported_by(candidate, seen)
+    return seen
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "quick: the quick tier (`python -m pytest -m quick`, docs/testing.md)")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if session.config.option.markexpr != "quick" or exitstatus != 0:
+        return
+    covered = {name for name in sys.modules if name.split(".")[0] in PRODUCT_PACKAGES}
+    for recipe in REACHED_RECIPES:  # launched, or loaded here by load_recipe
+        covered |= {f"recipes/{recipe.name}"} | imported_by(recipe, set())
+    missing = sorted(product_modules() - covered)
+    if missing:
+        print(f"\nerror: the quick tier reached no test of {', '.join(missing)}: mark one quick (docs/testing.md)")
+        session.exitstatus = 1

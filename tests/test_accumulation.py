@@ -107,6 +107,7 @@ def test_ddp_syncs_only_on_the_last_micro_batch(accumulation_runs):
     assert sum(numel for _, numel in last) == run.parameters_per_rank[0]["global_numel"]
 
 
+@pytest.mark.quick
 def test_the_workload_can_tell_normalisations_apart(tmp_path, monkeypatch, initial_tiny):
     """The equivalence test has power: on the same 8 uneven rows, the mean of 4 micro-batch means
     gives a gradient far (relative 1e-2 and more) from the token mean the recipe uses."""

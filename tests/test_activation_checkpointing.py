@@ -6,6 +6,10 @@ import torch
 from train_extras.options import TrainConfig
 from common.model import build_model, causal_lm_loss
 
+import pytest
+
+pytestmark = pytest.mark.quick  # launches nothing: docs/testing.md#running-the-tests
+
 VOCAB = 259
 MICRO, SEQ = 4, 128
 

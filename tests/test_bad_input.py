@@ -54,6 +54,7 @@ def bad_inputs(tmp_path):
     }
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("recipe", ["train", "bf16_baseline"])
 @pytest.mark.parametrize("case", ["unknown option", "unknown preset", "missing data file", "empty data file",
                                   "empty dataset", "seq_len above positions", "bad YAML"])
@@ -70,6 +71,7 @@ def test_bad_input_is_one_line(recipe, case, tmp_path, capsys, no_model):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.quick
 def test_baseline_has_no_accumulation_option(tmp_path, capsys, no_model):
     """An option of another recipe is an unknown option here, named with this recipe: never ignored."""
     code = config.run_cli(load_recipe("bf16_baseline").main, ["--gradient_accumulation_steps", "4"])
@@ -165,6 +167,7 @@ def test_eval_only_may_write_its_record_beside_a_finished_run(tmp_path, no_model
                                                                     str(out / "model"), "--output_dir", str(out)])
 
 
+@pytest.mark.quick
 def test_what_counts_as_a_finished_run(tmp_path):
     from train_extras.options import TrainConfig
 

@@ -87,6 +87,7 @@ def test_export_from_a_saved_checkpoint(tmp_path, hf_home, train_run):
     check_export_reproduces_model(run)
 
 
+@pytest.mark.quick
 def test_resume_from_a_folder_that_is_not_a_checkpoint_is_refused(tmp_path):
     from common.config import ConfigError
     from conftest import parse_train

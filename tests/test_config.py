@@ -7,6 +7,9 @@ from train_extras.options import FineTuneOptions, TrainConfig
 from conftest import parse_train
 
 
+pytestmark = pytest.mark.quick  # launches nothing: docs/testing.md#running-the-tests
+
+
 def test_defaults():
     cfg = parse_train([])
     assert cfg == TrainConfig()

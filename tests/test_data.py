@@ -14,6 +14,9 @@ from synthetic import corpus_file, save_bos_tokenizer, synthetic_documents
 from train_extras.observe.metrics import bigram_entropy
 from train_extras.options import TrainConfig
 
+
+pytestmark = pytest.mark.quick  # launches nothing: docs/testing.md#running-the-tests
+
 # sha256 of the first 4096 bytes of the default corpus (8000 documents, generator v1). The
 # generator uses only random.Random(0).random(), so this holds on every Python and platform.
 FIRST_4096_BYTES_SHA256 = "0ba11ed34f1900bcae1f73ece679965350e0febae127edf9071355b3b9553f85"

@@ -87,6 +87,7 @@ def test_a_thread_count_the_user_chose_stands(monkeypatch):
             launcher.wait()
 
 
+@pytest.mark.quick
 def test_shakespeare_is_kept_as_it_is():
     """Blank lines between speeches survive (a model learns to write them); the held-out part is
     the last 10% of the characters; the file is the one the provenance names."""

@@ -223,6 +223,7 @@ def test_shellcheck_passes_on_every_shell_script():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.quick
 def test_every_copied_file_exists_and_reaches_the_build_context():
     rules = dockerignore_rules()
     for sources, _ in copies():
@@ -238,6 +239,7 @@ def test_every_copied_file_exists_and_reaches_the_build_context():
         assert not in_build_context(secret_or_bulk, rules), secret_or_bulk
 
 
+@pytest.mark.quick
 def test_entrypoint_and_cmd_launch_files_the_image_holds():
     held = copied_into_image()
     script = entrypoint_script()
@@ -250,6 +252,7 @@ def test_entrypoint_and_cmd_launch_files_the_image_holds():
     parse_train(launch.training_script_args)  # the recipe accepts CMD's options
 
 
+@pytest.mark.quick
 def test_the_image_holds_the_configs_and_the_memory_planner():
     """`--config configs/...` and `python -m tools.plan` are documented commands, in the image too."""
     held = copied_into_image()
@@ -261,6 +264,7 @@ def test_the_image_holds_the_configs_and_the_memory_planner():
         assert module in held, f"the image lacks {module} (python -m tools.plan)"
 
 
+@pytest.mark.quick
 def test_image_user_and_volumes():
     user = last("USER")
     values = env_and_args()
@@ -444,6 +448,7 @@ def header_launch_lines(config: Path) -> dict[int, list[str]]:
     return {rank: shlex.split(cmd.replace("\\", " "))[2:] for rank, cmd in commands.items()}
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("config", MULTI_NODE_CONFIGS, ids=lambda p: p.name)
 def test_multi_node_config_and_its_per_machine_commands(config):
     values = yaml.safe_load(config.read_text())
@@ -552,6 +557,7 @@ def script_default(name: str) -> str:
     return match.group(1)
 
 
+@pytest.mark.quick
 def test_sbatch_directives():
     options = sbatch_directives()
     # One `accelerate launch` per node; it starts the per-GPU processes itself.
@@ -647,6 +653,7 @@ def expand_k8s(value: str, env: dict[str, str]) -> str:
                   value)
 
 
+@pytest.mark.quick
 def test_pytorchjob_launch_lines_volumes_and_secrets():
     documents = [d for d in yaml.safe_load_all(PYTORCHJOB.read_text()) if d]
     by_kind = {d["kind"]: d for d in documents}

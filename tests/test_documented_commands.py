@@ -32,6 +32,7 @@ DISTRIBUTED_TYPE = {"ddp.yaml": "MULTI_CPU", "multi_node_ddp.yaml": "MULTI_CPU",
                     "deepspeed_zero3_offload.yaml": "DEEPSPEED", "tp.yaml": "MULTI_GPU", "fsdp_tp.yaml": "MULTI_GPU"}
 
 
+@pytest.mark.quick
 def test_the_documented_lines_are_found():
     """The finder sees every file's lines (a change of format must not silently drop them)."""
     sources = {line.source.split(":")[0] for line in documented_lines()}

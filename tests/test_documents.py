@@ -60,6 +60,7 @@ def independent_render(tokenizer, messages: list[dict]) -> tuple[list[int], list
 
 # ---- conversations, in-process ----
 
+@pytest.mark.quick
 def test_the_template_markers_and_the_prefix_differences_agree(chat):
     """Both ways of finding the assistant's tokens, on a template that has both, for every conversation."""
     tokenizer = AutoTokenizer.from_pretrained(chat["tokenizer"])
@@ -70,6 +71,7 @@ def test_the_template_markers_and_the_prefix_differences_agree(chat):
         assert by_markers == independent_render(tokenizer, messages)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("packing", [True, False])
 def test_labels_are_minus_100_exactly_where_the_next_token_is_not_the_assistants(chat, packing):
     """Token by token over the whole training set: every block (packed) or row (one per
@@ -105,6 +107,7 @@ def test_labels_are_minus_100_exactly_where_the_next_token_is_not_the_assistants
     assert (held_out["labels"] == -100).any() and (held_out["labels"] != -100).any()
 
 
+@pytest.mark.quick
 def test_overlong_conversations_are_truncated_when_asked(chat):
     _, tokenizer, dropped = build(["--tokenizer_name_or_path", chat["tokenizer"], "--data_files", chat["data"],
                                    "--seq_len", "64", "--packing", "false"])
@@ -116,6 +119,7 @@ def test_overlong_conversations_are_truncated_when_asked(chat):
     assert "truncated" in conversations.describe(cut) and cut["dropped_no_assistant_token"] == 0
 
 
+@pytest.mark.quick
 def test_a_conversations_column_beside_the_text_column_leaves_the_data_text(chat, tmp_path):
     """Rows with both a `text` and a `messages` column stay text (as before conversations existed),
     unless --chat_column names the messages."""
@@ -127,6 +131,7 @@ def test_a_conversations_column_beside_the_text_column_leaves_the_data_text(chat
     assert build(argv + ["--chat_column", "messages"])[2].kind == "conversations"
 
 
+@pytest.mark.quick
 def test_a_template_that_fails_on_a_conversation_is_one_line(chat, tmp_path):
     strict = tmp_path / "strict.jinja"  # as many templates do: roles must alternate
     strict.write_text("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}"
@@ -142,6 +147,7 @@ def test_a_template_that_fails_on_a_conversation_is_one_line(chat, tmp_path):
         build(argv + ["--chat_template", str(broken)])
 
 
+@pytest.mark.quick
 def test_a_tokenizer_without_a_chat_template_is_one_line_and_a_template_file_supplies_one(chat):
     argv = ["--tokenizer_name_or_path", chat["no_template"], "--data_files", chat["data"], "--seq_len", str(SEQ)]
     with pytest.raises(ConfigError, match="no chat template to render them: give one with --chat_template") as err:
@@ -159,6 +165,7 @@ def test_a_tokenizer_without_a_chat_template_is_one_line_and_a_template_file_sup
 
 # ---- document masks, in-process ----
 
+@pytest.mark.quick
 def test_positions_restart_at_each_document_and_at_each_block():
     starts = np.array([0, 5, 9, 30])
     assert restart(starts, 0, 12) == [0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 1, 2]
@@ -170,6 +177,7 @@ def restart(starts, begin, length):
     return documents.restart_positions(starts, begin, length).tolist()
 
 
+@pytest.mark.quick
 def test_packed_text_blocks_carry_position_ids_only_with_the_document_mask():
     _, _, masked = build(["--data_files", SYNTHETIC, "--seq_len", "64"])
     _, _, unmasked = build(["--data_files", SYNTHETIC, "--seq_len", "64", "--document_mask", "false"])
@@ -184,6 +192,7 @@ def test_packed_text_blocks_carry_position_ids_only_with_the_document_mask():
         assert item["position_ids"][0] == 0
 
 
+@pytest.mark.quick
 def test_streamed_blocks_carry_the_same_position_ids(tmp_path):
     from train_extras.data_at_scale import StreamedBlocks
 
@@ -212,6 +221,7 @@ NOT_KEPT_APART = {  # BLOOM: ALiBi, no position ids; OPT takes them and still le
 }
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("family", [*KEPT_APART, *NOT_KEPT_APART])
 def test_a_model_that_cannot_keep_documents_apart_is_refused(family):
     from accelerate import Accelerator
@@ -229,6 +239,7 @@ def test_a_model_that_cannot_keep_documents_apart_is_refused(family):
             documents.check_kept_apart(model, accelerator, 100)
 
 
+@pytest.mark.quick
 def test_flash_attention_with_several_rows_is_refused():
     for kernel in ("flash_attention_2", "kernels-community/flash-attn"):
         with pytest.raises(ConfigError, match="keeps packed documents apart only in a batch of one row"):
@@ -257,6 +268,7 @@ def write_mixture(folder, chat_data, weights=(0.8, 0.2), extra="") -> str:
     return str(path)
 
 
+@pytest.mark.quick
 def test_documents_are_drawn_by_weight(chat, tmp_path):
     """Over the first 2,000 documents drawn (and over all of them), each source's share is within 3
     points of its weight; the draw is the same every time (the run's seed) and another seed draws
@@ -299,6 +311,7 @@ def mixed_sources(cfg, tokenizer) -> np.ndarray:
     return np.asarray(captured["mixed"]["source"])
 
 
+@pytest.mark.quick
 def test_streaming_is_text_from_one_source(chat, tmp_path):
     spec = write_mixture(tmp_path, chat["data"])
     for extra in (["--data_mixture", spec], ["--data_files", chat["data"], "--eval_data_files", chat["data"],
@@ -307,6 +320,7 @@ def test_streaming_is_text_from_one_source(chat, tmp_path):
             parse_train(["--streaming", *extra])
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("content, message", [
     ("sources: []\n", "a non-empty list under 'sources:'"),
     ("sources:\n  - data_files: x.jsonl\n", "source 0 needs a positive 'weight:', got None"),
@@ -326,6 +340,7 @@ def test_a_bad_mixture_file_is_one_line(tmp_path, content, message):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.quick
 def test_a_mixture_names_its_own_data_and_its_sources_are_checked(chat, tmp_path):
     spec = write_mixture(tmp_path, chat["data"])
     with pytest.raises(ConfigError, match="names its sources' data options itself: not with --data_files"):

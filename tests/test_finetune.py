@@ -21,12 +21,14 @@ from conftest import DEBUG_ARGS, ROOT, Run, check_export_reproduces_model, launc
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_every_shipped_config_loads(path):
     cfg = parse(TrainConfig, ["--config", str(path)], recipe="train.py")
     assert cfg.config == str(path) and cfg.output_dir.startswith("outputs/")
 
 
+@pytest.mark.quick
 def test_the_shipped_configs_are_a_pretraining_and_a_fine_tune():
     pretrain, finetune = (parse(TrainConfig, ["--config", str(ROOT / "configs" / name)], recipe="train.py")
                           for name in ("pretrain_shakespeare.yaml", "finetune.yaml"))
@@ -231,6 +233,7 @@ def test_eval_only_with_no_checkpoint_to_find_is_one_line(tmp_path, hf_home):
     assert f"error: --eval_only: no complete checkpoint in {tmp_path / 'empty'}/checkpoints to evaluate" in proc.stderr
 
 
+@pytest.mark.quick
 def test_the_model_is_built_in_fp32_except_under_a_16_bit_deepspeed_engine():
     """fp32 master weights wherever autocast computes over them; DeepSpeed's bf16/fp16 engine casts
     the module itself (and keeps fp32 copies in its optimizer), so it loads in that dtype."""

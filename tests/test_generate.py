@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, launch_env
+from conftest import REACHED_RECIPES, ROOT, launch_env
 from transformers import AutoTokenizer
 
 PROMPT = "ROMEO:"
@@ -14,6 +14,7 @@ PROMPT = "ROMEO:"
 
 def generate(args: list[str], hf_home, check: bool = True) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(ROOT / "recipes" / "generate.py"), *args]
+    REACHED_RECIPES.add(ROOT / "recipes" / "generate.py")
     # One thread: for a model this small it is the fastest, and on a busy 2-core machine threads
     # that spin-wait for each other made sampling 3x slower (measured: 16 s -> 5 s).
     env = {**launch_env(hf_home), "OMP_NUM_THREADS": "1"}
@@ -83,6 +84,7 @@ def bad_inputs(tmp_path, model) -> dict:
     }
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("case", ["missing folder", "not a model", "empty prompt", "unknown token", "no new tokens",
                                   "negative temperature", "unknown option"])
 def test_bad_input_is_one_error_line(case, tmp_path, hf_home, initial_model):

@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, launch_env
 
 SCRIPT = str(ROOT / "scripts" / "gpu_check.py")
@@ -70,6 +72,7 @@ def test_budget_stops_starting_runs(tmp_path, hf_home):
     assert proc.returncode == 0
 
 
+@pytest.mark.quick
 def test_model_parallel_runs_are_sized_to_the_gpus_or_skipped():
     sys.path.insert(0, str(ROOT / "scripts"))
     from gpu_check import model_parallel_layout

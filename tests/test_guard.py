@@ -57,18 +57,21 @@ def launched_as(monkeypatch):
     return set_env
 
 
+@pytest.mark.quick
 def test_fp16_without_a_scaler_is_refused(launched_as):
     launched_as(ACCELERATE_MIXED_PRECISION="fp16")
     with pytest.raises(ConfigError, match="fp16 without a GradScaler"):
         guard.check_launch(fake_accelerator(precision="fp16"), "train.py", ("single",))
 
 
+@pytest.mark.quick
 def test_precision_mismatch_is_refused(launched_as):
     launched_as(ACCELERATE_MIXED_PRECISION="bf16")
     with pytest.raises(ConfigError, match="asks for mixed precision 'bf16' but accelerate runs 'no'"):
         guard.check_launch(fake_accelerator(precision="no"), "train.py", ("single",))
 
 
+@pytest.mark.quick
 def test_recipe_refuses_a_strategy_it_is_not_written_for(launched_as):
     launched_as(WORLD_SIZE="2", ACCELERATE_MIXED_PRECISION="no")
     ddp = fake_accelerator(DistributedType.MULTI_GPU, world=2)
@@ -77,6 +80,7 @@ def test_recipe_refuses_a_strategy_it_is_not_written_for(launched_as):
     guard.check_launch(ddp, "ddp.py", ("single", "ddp"))  # accepted
 
 
+@pytest.mark.quick
 def test_tensor_parallel_launches_are_told_apart_and_refused_where_not_written_for(launched_as):
     launched_as(WORLD_SIZE="4", ACCELERATE_MIXED_PRECISION="no", ACCELERATE_USE_PARALLELISM_CONFIG="true",
                 PARALLELISM_CONFIG_TP_SIZE="2")
@@ -93,6 +97,7 @@ def test_tensor_parallel_launches_are_told_apart_and_refused_where_not_written_f
         guard.check_launch(fake_accelerator(DistributedType.MULTI_GPU, world=4), "train.py", ("ddp", "tp"))
 
 
+@pytest.mark.quick
 def test_deepspeed_requested_but_not_running_is_refused(launched_as):
     launched_as(ACCELERATE_USE_DEEPSPEED="true", WORLD_SIZE="2")
     with pytest.raises(ConfigError, match="asks for DeepSpeed but accelerate runs MULTI_CPU"):
@@ -111,6 +116,7 @@ def test_harness_refuses_a_changed_accelerate(tmp_path):
     assert proc.returncode != 0 and "CPU harness: tested with accelerate" in proc.stderr
 
 
+@pytest.mark.quick
 def test_under_deepspeed_the_json_says_what_precision_was_asked(tmp_path, monkeypatch):
     """accelerate refuses mixed_precision in a YAML beside a DeepSpeed JSON and --mixed_precision does
     not override the JSON's explicit value: the guard takes the JSON's choice as the request."""

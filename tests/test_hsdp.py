@@ -127,6 +127,7 @@ def launched(distributed_type: str) -> SimpleNamespace:
                            mixed_precision="no", distributed_type=SimpleNamespace(value=distributed_type))
 
 
+@pytest.mark.quick
 def test_a_sharding_mesh_that_accelerate_would_run_as_ddp_is_refused():
     """dp_shard_size > 1 without TP shards only under distributed_type FSDP: a MULTI_GPU config with
     it gets the whole model wrapped in DDP (seen on CPU: prepare() built DistributedDataParallel)."""

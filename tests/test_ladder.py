@@ -91,6 +91,7 @@ def ladder_runs(tmp_path_factory, hf_home, ladder_model):
     return get
 
 
+@pytest.mark.quick
 def test_every_rung_of_the_planner_has_a_config_and_a_test():
     assert sorted(r.config for r in plan.LADDER) == sorted(RUNGS)
 

@@ -11,6 +11,9 @@ from common.config import ConfigError, parse
 from conftest import ROOT, SYNTHETIC, load_recipe
 from train_extras.options import TrainConfig
 
+
+pytestmark = pytest.mark.quick  # launches nothing: docs/testing.md#running-the-tests
+
 CORE = ROOT / "common"
 # 900 until issue 29 (1,064 after it): local data as users have it (folders, globs, csv, parquet),
 # an error every rank hits printed once, the export swapped in whole (common/files.py). Kept a budget:

@@ -9,6 +9,9 @@ from train_extras.options import TrainConfig
 from common.model import PRESETS, build_model, build_optimizer, check_seq_len, model_config
 from train_extras.observe.flops import flops_per_token, matmul_params
 
+
+pytestmark = pytest.mark.quick  # launches nothing: docs/testing.md#running-the-tests
+
 VOCAB = 259  # the byte-level tokenizer
 
 

@@ -170,6 +170,7 @@ def test_a_family_with_a_tensor_parallel_plan_runs_under_tp(family_runs):
 
 # ---- in-process: what reads a model's config, and the refusals that come before any heavy work ----
 
+@pytest.mark.quick
 def test_a_family_without_a_tensor_parallel_plan_is_refused(family_models):
     from test_tensor_parallel import stand_in
 
@@ -180,6 +181,7 @@ def test_a_family_without_a_tensor_parallel_plan_is_refused(family_models):
     tensor_parallel.check(stand_in(), qwen, AutoConfig.from_pretrained(family_models["qwen2"]), "train.py")
 
 
+@pytest.mark.quick
 def test_the_pipeline_recipe_takes_llama_layouts_and_refuses_others(family_models):
     pipeline.check_pipeline_layout(AutoConfig.from_pretrained(family_models["qwen2"]), "pipeline_parallel.py")
     for family in ("gpt2", "gpt_neox"):
@@ -197,6 +199,7 @@ def fsdp_launch_env(monkeypatch):
     return monkeypatch
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fsdp_wraps_the_models_own_blocks_unless_told(family, family_models, fsdp_launch_env):
     config = AutoConfig.from_pretrained(family_models[family])
@@ -205,6 +208,7 @@ def test_fsdp_wraps_the_models_own_blocks_unless_told(family, family_models, fsd
     assert fsdp_settings.plugin(config).transformer_cls_names_to_wrap == [BLOCK[family]]
 
 
+@pytest.mark.quick
 def test_a_block_class_the_model_lacks_is_one_line_naming_its_classes(family_models, fsdp_launch_env):
     fsdp_launch_env.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "LlamaDecoderLayer")
     with pytest.raises(ConfigError) as err:
@@ -215,6 +219,7 @@ def test_a_block_class_the_model_lacks_is_one_line_naming_its_classes(family_mod
     assert "GPT2Block" in message and "GPT2Attention" in message
 
 
+@pytest.mark.quick
 def test_a_tokenizer_that_encodes_nothing_is_refused(family_models, byte_tokenizer, tmp_path):
     import shutil
 
@@ -227,6 +232,7 @@ def test_a_tokenizer_that_encodes_nothing_is_refused(family_models, byte_tokeniz
         build_tokenizer(TrainConfig(model_name_or_path=str(mismatched)))
 
 
+@pytest.mark.quick
 def test_no_fsdp_config_names_a_model_class():
     root = Path(__file__).resolve().parents[1] / "accelerate_configs"
     for path in root.glob("*.yaml"):
@@ -234,6 +240,7 @@ def test_no_fsdp_config_names_a_model_class():
         assert not any("transformer_layer_cls_to_wrap" in line for line in values), path.name
 
 
+@pytest.mark.quick
 def test_flops_read_each_familys_own_names(family_models):
     """GPT-2 by hand: per block c_attn (h x 3h + 3h), attention c_proj (h x h + h), c_fc (h x 4h + 4h),
     MLP c_proj (4h x h + h), two LayerNorms (2h each): 12h^2 + 13h; then ln_f (2h) and the tied
@@ -250,6 +257,7 @@ def test_flops_read_each_familys_own_names(family_models):
         assert matmul_params(config) == sum(p.numel() for p in model.parameters()) - lookups
 
 
+@pytest.mark.quick
 def test_a_config_without_the_needed_names_is_refused_in_one_line():
     class Odd(GPT2Config):
         attribute_map = {}  # n_layer etc. no longer answer to the common names
@@ -258,6 +266,7 @@ def test_a_config_without_the_needed_names_is_refused_in_one_line():
         dimensions(Odd())
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_memory_planner_reads_each_family(family, family_models):
     from tools.plan import model_shape

@@ -193,6 +193,7 @@ def test_a_family_without_sdpa_trains_with_no_attention_option(family, moe_runs)
     assert "expert_load" not in metrics_lines(run, "interval")[0]
 
 
+@pytest.mark.quick
 def test_the_router_option_is_refused_for_a_dense_model(moe_models):
     cfg = TrainConfig(router_aux_loss_coef=0.01)
     dense = AutoConfig.from_pretrained(moe_models["gemma2"])
@@ -205,6 +206,7 @@ def test_the_router_option_is_refused_for_a_dense_model(moe_models):
     assert moe.route_for(cfg, mixtral)["coef"] == 0.01
 
 
+@pytest.mark.quick
 def test_the_pipeline_refuses_moe_and_too_few_micro_batches(moe_models):
     for family in FAMILIES:
         with pytest.raises(ConfigError, match="is a mixture of experts"):
@@ -215,6 +217,7 @@ def test_the_pipeline_refuses_moe_and_too_few_micro_batches(moe_models):
     check_micro_batches(2, 2, "pipeline_parallel.py")
 
 
+@pytest.mark.quick
 def test_expert_load_statistics():
     slots = torch.tensor([[2.0, 2.0, 2.0, 2.0], [8.0, 0.0, 0.0, 0.0]])  # uniform, and all on one expert
     stats = moe.load_stats(slots)

@@ -40,6 +40,7 @@ def check(config, layers: list[int], all_layers: list[int]):
     assert counts == {"total": every + V * H, "active": active + V * H}  # + the embedding table
 
 
+@pytest.mark.quick
 def test_mixtral():
     config = MixtralConfig(intermediate_size=I_MOE, num_local_experts=E, num_experts_per_tok=K, **SHAPE)
     layer = ATTN + ROUTER + NORMS
@@ -48,6 +49,7 @@ def test_mixtral():
                                       "inactive": L * (E - K) * mlp(I_MOE)}
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("dense_layers, option", [([1], dict(mlp_only_layers=[1])),
                                                    ([0], dict(decoder_sparse_step=2))])
 def test_qwen3_moe_with_a_dense_layer(dense_layers, option):
@@ -60,6 +62,7 @@ def test_qwen3_moe_with_a_dense_layer(dense_layers, option):
     check(config, layers, every)
 
 
+@pytest.mark.quick
 def test_qwen2_moe_counts_its_shared_expert_in_full():
     config = Qwen2MoeConfig(intermediate_size=I_DENSE, moe_intermediate_size=I_MOE,
                             shared_expert_intermediate_size=I_SHARED, num_experts=E, num_experts_per_tok=K, **SHAPE)
@@ -68,12 +71,14 @@ def test_qwen2_moe_counts_its_shared_expert_in_full():
     check(config, [base + shared + K * mlp(I_MOE)] * L, [base + shared + E * mlp(I_MOE)] * L)
 
 
+@pytest.mark.quick
 def test_olmoe():
     config = OlmoeConfig(intermediate_size=I_MOE, num_experts=E, num_experts_per_tok=K, **SHAPE)
     base = ATTN + HEADS * HD + KV * HD + NORMS + ROUTER  # + q_norm (over all heads), k_norm (over the kv heads)
     check(config, [base + K * mlp(I_MOE)] * L, [base + E * mlp(I_MOE)] * L)
 
 
+@pytest.mark.quick
 def test_tied_output_projection_still_counts():
     config = MixtralConfig(intermediate_size=I_MOE, num_local_experts=E, num_experts_per_tok=K,
                            **SHAPE | {"tie_word_embeddings": True})
@@ -82,6 +87,7 @@ def test_tied_output_projection_still_counts():
     assert parameter_counts(config)["active"] == active  # the table once
 
 
+@pytest.mark.quick
 def test_a_shape_with_the_issues_figures():
     """4 experts, top-2: 1.63e6 FLOPs/token counting every expert, 1.03e6 from the active weights."""
     config = MixtralConfig(vocab_size=512, hidden_size=80, num_hidden_layers=1, num_attention_heads=4,
@@ -93,6 +99,7 @@ def test_a_shape_with_the_issues_figures():
     assert flops_per_token(config, 32) == 6 * (base + 2 * 3 * h * i) + 12 * h * 32 == 1_032_480
 
 
+@pytest.mark.quick
 def test_dense_figures_are_unchanged():
     """The figures tests/test_model.py and tests/test_model_families.py hold, and every preset."""
     llama = LlamaConfig(vocab_size=100, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
@@ -113,6 +120,7 @@ def test_dense_figures_are_unchanged():
         assert counts["active"] == counts["total"] == matmul_params(config) + V * config.hidden_size
 
 
+@pytest.mark.quick
 def test_unreadable_top_k_is_refused_in_one_line():
     """DeepSeek-V2's config class defaults num_experts_per_tok to None: no FLOPs can be counted."""
     config = DeepseekV2Config(vocab_size=V, hidden_size=H, num_hidden_layers=1, num_attention_heads=HEADS,

@@ -45,6 +45,7 @@ def fake_grads(model, seed: int):
         p.grad = torch.randn(p.shape, generator=generator)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("family", FAMILIES)
 def test_muon_takes_the_hidden_matrices_only(family):
     model = build(family)
@@ -60,6 +61,7 @@ def test_muon_takes_the_hidden_matrices_only(family):
         assert not any("experts" in n for n in names)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("family", ["llama", "qwen2_tied"])
 def test_one_step_equals_torch_muon_and_adamw_by_hand(family):
     cfg = parse_train(["--optimizer", "muon", "--muon_lr", "0.05", "--muon_weight_decay", "0.01",
@@ -82,6 +84,7 @@ def test_one_step_equals_torch_muon_and_adamw_by_hand(family):
     assert optimizer.param_groups[0]["lr"] == 3e-3 and muon.peak_lrs(optimizer, cfg)[-1] == 0.05
 
 
+@pytest.mark.quick
 def test_state_dict_round_trip_and_refusal_of_an_adamw_state():
     cfg = parse_train(["--optimizer", "muon"])
     model = build("llama")
@@ -103,6 +106,7 @@ def test_state_dict_round_trip_and_refusal_of_an_adamw_state():
         fresh.load_state_dict(plain.state_dict())
 
 
+@pytest.mark.quick
 def test_muon_options_are_checked():
     with pytest.raises(ConfigError, match="add --optimizer muon"):
         parse_train(["--muon_lr", "0.01"])
@@ -114,6 +118,7 @@ def test_muon_options_are_checked():
 
 # ---- the chunked loss ----
 
+@pytest.mark.quick
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("chunk", [7, 64, 1000])  # a ragged last chunk, several, one chunk for all
 def test_chunked_loss_equals_the_plain_loss(family, chunk):
@@ -138,6 +143,7 @@ def test_chunked_loss_equals_the_plain_loss(family, chunk):
         assert model(input_ids=ids).logits.shape == (3, 41, 300)
 
 
+@pytest.mark.quick
 def test_chunked_loss_refuses_a_model_that_changes_its_logits_after_the_head():
     accelerator = Accelerator(cpu=True)
     for family, refused in (("llama", False), ("gemma2_softcap", True)):

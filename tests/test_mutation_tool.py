@@ -19,6 +19,9 @@ if str(ROOT) not in sys.path:  # plain `pytest` (not python -m) has the tests fo
 from scripts.mutation import run as tool  # noqa: E402
 from scripts.mutation.mutants import MUTANTS, Mutant  # noqa: E402
 
+
+pytestmark = pytest.mark.quick  # launches nothing: docs/testing.md#running-the-tests
+
 PRODUCT = ("recipes/", "common/", "train_extras/", "tools/plan/")
 
 

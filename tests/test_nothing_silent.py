@@ -176,6 +176,7 @@ def test_the_lock_says_who_holds_it_and_is_free_once_its_holder_is_gone(tmp_path
 
 
 # ---- 3. one line for each failure ----
+@pytest.mark.quick
 def test_an_output_folder_that_cannot_be_made_is_one_line(tmp_path):
     (tmp_path / "file").write_text("x")
     folder = tmp_path / "file" / "run"
@@ -203,6 +204,7 @@ def test_a_missing_local_model_folder_is_named_as_such(path, tmp_path, capsys):
     assert "Repo id" not in err
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("sizes, world, needed", [({"TP": "2"}, "1", 2), ({"TP": "4"}, "2", 4),
                                                   ({"DP_SHARD": "2", "TP": "2"}, "2", 4),
                                                   ({"DP_REPLICATE": "2", "DP_SHARD": "2"}, "8", 4)])

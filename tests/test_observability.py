@@ -100,6 +100,7 @@ def test_no_tracker_file_holds_a_secret(tracked_run):
     assert SECRETS["run_name"] not in tracked_run.proc.stdout  # the printed options are redacted too
 
 
+@pytest.mark.quick
 def test_redaction_rules(monkeypatch):
     env = {"HF_TOKEN": "hf_abcdefghijklmnopqrstuvwx", "MY_DB_PASSWORD": "correct-horse", "PATH": "/usr/bin:/bin",
            "SHORT_TOKEN": "abc"}
@@ -137,6 +138,7 @@ def test_redaction_rules(monkeypatch):
     assert tracking.redact({"tokenizer_name_or_path": "gpt2"}, []) == {"tokenizer_name_or_path": "gpt2"}
 
 
+@pytest.mark.quick
 def test_an_unknown_tracker_is_bad_input():
     with pytest.raises(ConfigError, match="unknown tracker 'mlflow'"):
         parse_train(["--report_to", "mlflow"])
@@ -158,6 +160,7 @@ def test_every_interval_records_throughput_mfu_memory_and_eta(train_run):
     assert 0 < summary["mfu_median"] < 1
 
 
+@pytest.mark.quick
 def test_interval_arithmetic():
     stats = metrics.interval_stats(steps=10, seconds=2.0, tokens_per_step=1000, world_size=2, flops_per_token=1e9,
                                    peak_tflops_per_device=10.0, steps_left=50, step_times=[0.3, 0.2, 0.25])
@@ -178,6 +181,7 @@ GPU_NAMES = [
 ]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name, part, bf16, tf32", GPU_NAMES)
 def test_the_mfu_peak_is_the_exact_parts(name, part, bf16, tf32):
     assert metrics.gpu_peak(name, "bf16") == (bf16, part)
@@ -185,6 +189,7 @@ def test_the_mfu_peak_is_the_exact_parts(name, part, bf16, tf32):
     assert metrics.gpu_peak(name, "no") == (tf32, part)  # fp32 runs: TF32 matmuls are on (NVIDIA)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", ["NVIDIA A10G", "NVIDIA H100", "NVIDIA H800", "NVIDIA GeForce RTX 4090",
                                   "NVIDIA L40", "Tesla V100-SXM2-16GB", "AMD Instinct MI250X"])
 def test_an_unknown_part_gets_no_mfu_and_says_why(name):
@@ -192,6 +197,7 @@ def test_an_unknown_part_gets_no_mfu_and_says_why(name):
     assert tflops is None and name in why and "no datasheet peak" in why
 
 
+@pytest.mark.quick
 def test_measuring_the_cpu_ceiling_leaves_the_global_rng_alone():
     """It runs after set_seed and before the model is built: drawing from the global RNG would
     change every initial weight (it did once: the pinned first-step loss caught it)."""
@@ -200,6 +206,7 @@ def test_measuring_the_cpu_ceiling_leaves_the_global_rng_alone():
     assert torch.equal(torch.get_rng_state(), before)
 
 
+@pytest.mark.quick
 def test_the_cpu_ceiling_shrinks_its_matmul_when_one_is_longer_than_a_burst():
     """fp16 on a CPU without fp16 units ran one 1024 matmul in 2.1 s (the start-up measurement took
     15 s): the size halves, from the time of one 256 matmul, until one fits in a burst."""

@@ -19,6 +19,7 @@ GB = 1e9
 # Model states
 # ---------------------------------------------------------------------------------------------
 
+@pytest.mark.quick
 def test_textbook_7b_on_8_gpus():
     """The ZeRO paper's figure 1 numbers for 7B parameters on 8 GPUs (fp16 + Adam, K = 12):
     DDP 16 B/param = 112 GB; ZeRO-1 4 + 12/8 = 5.5 B = 38.5 GB; ZeRO-2 2 + 14/8 = 3.75 B = 26.25 GB;
@@ -79,6 +80,7 @@ FRAMEWORK_REAL = {
 }
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 @pytest.mark.parametrize("rung", [r.name for r in plan.LADDER])
 def test_framework_real_7b_on_8_gpus(precision, rung):
@@ -88,6 +90,7 @@ def test_framework_real_7b_on_8_gpus(precision, rung):
     assert got == pytest.approx(tuple(x * P for x in FRAMEWORK_REAL[precision][rung]), rel=1e-9)
 
 
+@pytest.mark.quick
 def test_zero1_keeps_large_gradients_during_backward():
     """ZeRO-1 and ZeRO-2 hold the same after backward; during it ZeRO-1 keeps the gradients of the
     parameters larger than a bucket (8b: the MLP matrices, 4096 x 14336 > 4096^2) that other ranks own."""
@@ -98,11 +101,13 @@ def test_zero1_keeps_large_gradients_during_backward():
     assert one["transient"]["backward"] - two["transient"]["backward"] == pytest.approx(2 * mlp * 7 / 8)
 
 
+@pytest.mark.quick
 def test_single_gpu_is_ddp_without_buckets():
     states = plan.model_state_bytes("single", P, 1, "bf16")
     assert states["at_rest"]["device"]["total"] == 12 * P and states["at_step"]["device"]["total"] == 16 * P
 
 
+@pytest.mark.quick
 def test_terms_are_named_sourced_and_add_up():
     shape = plan.model_shape("8b")
     for rung in (plan.SINGLE,) + plan.LADDER + (plan.HSDP,):
@@ -119,6 +124,7 @@ def test_terms_are_named_sourced_and_add_up():
     assert plan.model_state_bytes("fsdp", P, W)["unknown"]
 
 
+@pytest.mark.quick
 def test_bucket_sizes_come_from_the_configs():
     hidden = 4096
     for config in ("deepspeed_zero1.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml",
@@ -131,6 +137,7 @@ def test_bucket_sizes_come_from_the_configs():
     assert plan.zero_settings("no_such_zero2.yaml", hidden)["reduce_bucket_size"] == 5e8
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("with_shape", [False, True])
 def test_more_gpus_never_increase_per_gpu_model_states(with_shape):
     shape = plan.model_shape("1b") if with_shape else None
@@ -149,6 +156,7 @@ def test_more_gpus_never_increase_per_gpu_model_states(with_shape):
             previous = now
 
 
+@pytest.mark.quick
 def test_hsdp_holds_per_gpu_what_full_shard_over_one_machine_holds():
     """HSDP on 2 machines x 8 GPUs: the 8 GPUs of each machine shard one copy, so per GPU it is FSDP2
     full shard with W = 8, not 16 (its all-reduce across machines runs in place: no term of its own)."""
@@ -167,6 +175,7 @@ def test_hsdp_holds_per_gpu_what_full_shard_over_one_machine_holds():
     assert plan.textbook_bytes("hsdp", P, 16)["at_step"]["device"]["total"] == pytest.approx(16 / 8 * P)  # ZeRO-3's
 
 
+@pytest.mark.quick
 def test_hsdp_rung_only_over_whole_machines():
     def names(gpus, per_node=None):
         return [r.name for r in plan.ladder(gpus, per_node)]
@@ -180,6 +189,7 @@ def test_hsdp_rung_only_over_whole_machines():
     assert os.path.isfile(os.path.join(plan.CONFIG_DIR, plan.HSDP.config))
 
 
+@pytest.mark.quick
 def test_ladder_is_one_data_structure_of_existing_configs():
     assert [r.config for r in plan.LADDER] == [
         "ddp.yaml", "deepspeed_zero1.yaml", "deepspeed_zero2.yaml", "fsdp_shard_grad_op.yaml", "fsdp.yaml",
@@ -215,6 +225,7 @@ def saved_by_full_model(preset, micro, seq, checkpointing, autocast):
     return sum(saved.values()), model, loss
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("autocast", [False, True])
 def test_planner_activations_match_the_full_model(checkpointing, autocast):
@@ -236,6 +247,7 @@ def test_planner_activations_match_the_full_model(checkpointing, autocast):
     assert planned == pytest.approx(measured, rel=0.10)
 
 
+@pytest.mark.quick
 def test_checkpointing_saving_measured_and_planned():
     """The saving activation checkpointing brings, measured on the real model and planned."""
     micro, seq = 2, 512
@@ -251,6 +263,7 @@ def test_checkpointing_saving_measured_and_planned():
     assert ckpt < 0.2 * full
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_planned_peak_bounds_the_measured_peak(checkpointing):
     """Every storage alive during a real forward + backward (debug preset, fp32): the planner's peak
@@ -271,6 +284,7 @@ def test_planned_peak_bounds_the_measured_peak(checkpointing):
     assert tracker.peak <= planned <= 1.7 * tracker.peak
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("regime", ["fp32", "low"])
 def test_probe_is_linear_in_tokens(regime):
     """The O(seq) assumption, checked on the CPU kernels: per-token bytes at 64 and 256 tokens agree."""
@@ -280,6 +294,7 @@ def test_probe_is_linear_in_tokens(regime):
     assert small["backward_extra"] / 64 == pytest.approx(large["backward_extra"] / 256, rel=0.05)
 
 
+@pytest.mark.quick
 def test_saved_bytes_of_one_linear():
     """SavedBytes on an op whose saves are known: a Linear keeps its input; the weight is excluded."""
     layer = torch.nn.Linear(8, 4)
@@ -404,6 +419,7 @@ def test_hsdp_is_recommended_where_one_machine_can_shard_the_model(capsys):
     assert "on every machine, with --machine_rank 0..1 and --main_process_ip <machine 0>" in out
 
 
+@pytest.mark.quick
 def test_launch_line_flags():
     req = plan.Request(gpus=4, precision="fp16", activation_checkpointing=True, seq_len=512, micro_batch_size=2)
     fsdp = plan.launch_line(plan.get_rung("fsdp"), req, "--preset 1b")
@@ -473,6 +489,7 @@ def test_model_folder_without_config(tmp_path, capsys):
 # Initialisation, host RAM, "tight", the logits column, tied embeddings
 # ---------------------------------------------------------------------------------------------
 
+@pytest.mark.quick
 def test_init_terms_read_from_deepspeed():
     """The "setup" moment of initialisation: the states that exist at the end of accelerator.prepare
     (not Adam's: created at the first step) + the temporary buffers DeepSpeed allocates there."""
@@ -505,6 +522,7 @@ def test_init_terms_read_from_deepspeed():
     assert offload["transient"]["optimizer_step"] == 0
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_init_candidate_stays_below_training(precision):
     """What the docstring says: read from the code, the init buffers are freed before Adam's states and
@@ -518,6 +536,7 @@ def test_init_candidate_stays_below_training(precision):
                 assert s["at_init"]["device"]["total"] <= training, (rung.name, gpus)
 
 
+@pytest.mark.quick
 def test_init_peak_is_a_candidate():
     rows = plan.evaluate(P, plan.Request(gpus=8))
     for r in rows:
@@ -562,6 +581,7 @@ def test_host_ram_limits_the_offload_advice(capsys):
     assert "more CPU RAM: fsdp_offload.yaml fits the GPUs (peak 0.0 GB) with 111.7 GB of CPU RAM per machine" in out
 
 
+@pytest.mark.quick
 def test_more_gpus_respects_host_ram():
     """FSDP2 builds the fp32 model in every process: more GPUs per machine need more CPU RAM, so the
     search cannot bisect below a full machine. 7B fp32 on 24 GB GPUs, 150 GB of CPU RAM: FSDP2 fits
@@ -614,6 +634,7 @@ def save_config(folder, **kwargs):
     return str(folder)
 
 
+@pytest.mark.quick
 def test_head_backward_is_in_the_logits_column(tmp_path):
     """A large vocabulary: the logits' fp32 gradient (tokens x vocab x 4 bytes) appears during the
     head's backward; it belongs to the "logits" column, not to "activ"."""

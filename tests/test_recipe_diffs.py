@@ -12,6 +12,9 @@ import pytest
 
 from conftest import ROOT
 
+
+pytestmark = pytest.mark.quick  # launches nothing: docs/testing.md#running-the-tests
+
 FEATURE_RECIPES = ["ddp.py", "fsdp_full_shard.py", "deepspeed_zero3_offload.py", "fp16_scaler.py", "tensor_parallel.py",
                    "pipeline_parallel.py",
                    "accumulate_and_clip.py"]

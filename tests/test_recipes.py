@@ -28,6 +28,7 @@ def check_summary(run: Run, recipe: str, max_steps: int, precision: str):
     assert len(run.final[0]["probe_logits"]) == 8
 
 
+@pytest.mark.quick
 def test_train_summary_complete(train_run):
     check_summary(train_run, "train.py", 60, "no")
     assert train_run.summary["model"]["parameters"] < 1_000_000
@@ -38,6 +39,7 @@ def test_train_loss_goes_down(train_run):
     check_loss_goes_down(train_run.summary)
 
 
+@pytest.mark.quick
 def test_train_first_step_loss_is_the_expected_number(train_run):
     assert train_run.summary["losses"][0]["loss"] == pytest.approx(FIRST_STEP_LOSS, abs=1e-4)
 
@@ -48,6 +50,7 @@ def test_train_prints_setup_block(train_run):
     assert "global batch     : 8 sequences = 8 micro x 1 accum x 1 ranks; 512 tokens (seq_len 64)" in out
 
 
+@pytest.mark.quick
 def test_train_export_reloads_with_same_logits(train_run):
     check_export_reproduces_model(train_run)
 

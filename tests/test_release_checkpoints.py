@@ -62,6 +62,7 @@ def unpack(folder: Path, record: dict, output_dir: Path) -> Path:
     return checkpoints / record["checkpoint"]
 
 
+@pytest.mark.quick
 def test_the_first_release_is_there():
     assert {"a52d62f/cpu", "a52d62f/fsdp", "a52d62f/deepspeed_zero3_offload"} <= set(map(release_id, RELEASES))
 
@@ -93,6 +94,7 @@ def test_a_release_checkpoint_resumes_exactly_or_is_refused_in_one_line(folder, 
                                  f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()})")
 
 
+@pytest.mark.quick
 def test_an_option_the_checkpoint_does_not_record_takes_its_default(tmp_path):
     """A checkpoint written before an option existed lacks it in checkpoint.json: it was trained as
     the option's default says (or as BEFORE_THE_OPTION says, where the default is not what the

@@ -400,6 +400,7 @@ def test_a_zero3_checkpoint_on_another_world_size_says_what_to_run(two_process_r
         checkpoint.check_compatible(step_30, cfg, fake_accelerator(DistributedType.DEEPSPEED, 1), meta)
 
 
+@pytest.mark.quick
 def test_a_world_size_change_inside_a_micro_step_is_refused_before_any_work(tmp_path):
     """An epoch that ended inside an optimizer step leaves a position that 8 ranks x 2 cannot start from."""
     from train_extras.options import TrainConfig
@@ -489,6 +490,7 @@ def test_a_missing_fsdp_shard_is_named(tmp_path, two_process_runs):
         checkpoint.verify(ckpt)
 
 
+@pytest.mark.quick
 def test_a_fault_switch_with_an_unknown_phase_fails_loudly(monkeypatch):
     """A typo in the test switch must not turn a fault test into a plain run that passes: the
     probe stops the process at start-up (before it patches anything)."""

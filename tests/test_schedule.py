@@ -7,6 +7,9 @@ from train_extras.options import TrainConfig
 from common.model import build_scheduler
 
 
+pytestmark = pytest.mark.quick  # launches nothing: docs/testing.md#running-the-tests
+
+
 def lr_at(cfg: TrainConfig, step: int) -> float:
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
     scheduler = build_scheduler(optimizer, cfg)

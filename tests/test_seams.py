@@ -42,6 +42,9 @@ from train_extras.options import TrainConfig
 from train_extras.resume import checkpoint, output_dir, preemption
 
 
+pytestmark = pytest.mark.quick  # launches nothing: docs/testing.md#running-the-tests
+
+
 @pytest.fixture
 def in_process(monkeypatch, tmp_path):
     """train.py's code in this process: its own datasets cache; the run's folder lock released and

@@ -34,6 +34,9 @@ from train_extras import documents, moe
 from train_extras.options import TrainConfig
 from train_extras.resume import output_dir as run_folder
 
+
+pytestmark = pytest.mark.quick  # launches nothing: docs/testing.md#running-the-tests
+
 EXPERTS, TOP_K, COEF = 4, 2, 1.0
 STEPS, ACCUMULATION, LOG_EVERY = 4, 2, 2
 DATA_OPTIONS = ["--seq_len", "32", "--micro_batch_size", "4", "--gradient_accumulation_steps", str(ACCUMULATION)]

@@ -40,6 +40,9 @@ from train_extras.options import TrainConfig
 from train_extras.parallel import deepspeed_settings, fsdp_settings, tensor_parallel
 from conftest import ROOT, load_recipe
 
+
+pytestmark = pytest.mark.quick  # launches nothing: docs/testing.md#running-the-tests
+
 PRECISIONS = ["bf16", "fp16", "no"]  # "no": fp32
 COMPUTE = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None}
 FSDP_CONFIGS = ["fsdp.yaml", "fsdp_offload.yaml"]  # fsdp_offload_params false / true
