@@ -116,6 +116,7 @@ def launch_command(recipe: str, args: list[str], hf_home: Path, config: str = "c
 
 
 _zygotes: dict[tuple, warm_launch.Zygote] = {}  # the warm processes of tests/warm_launch.py, by Zygote.key
+MAX_ZYGOTES = 3
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -132,6 +133,8 @@ def warm_or_cold(cmd: list[str], full_env: dict, cwd: Path, timeout: int):
     key = warm_launch.Zygote.key(worker[1]) if worker is not None else None
     if key is not None:
         if key not in _zygotes:
+            if len(_zygotes) >= MAX_ZYGOTES:  # each holds ~0.4 GB: the oldest goes
+                _zygotes.pop(next(iter(_zygotes))).close()
             _zygotes[key] = warm_launch.Zygote(worker[1])
         return _zygotes[key].run(*worker, cwd, timeout)
     return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)

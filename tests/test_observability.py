@@ -215,8 +215,12 @@ def test_the_cpu_ceiling_shrinks_its_matmul_when_one_is_longer_than_a_burst():
 
 
 def test_compile_gives_the_eager_losses(tmp_path, hf_home, train_run):
-    """Regional torch.compile (inductor on CPU) against the eager train_run, same options.
-    Tolerance 1e-5 (measured: <= 4.8e-7 over 60 steps; fused kernels round differently)."""
+    """Regional torch.compile (inductor on CPU) against the eager train_run, same options. Fused kernels
+    round differently, and the differences compound as the weights move apart: measured 2026-12-05
+    (torch 2.13, transformers 5.25, AVX512), steps 1-17 within 4.8e-7, then growing to 1.6e-5 (step
+    57; an earlier machine kept all 60 within 4.8e-7); the final held-out loss within 3.9e-8. So the
+    first steps (the same function, before the drift) and the final eval are held tight, every step
+    within 5e-5."""
     args = DEBUG_ARGS + ["--compile", "--output_dir", str(tmp_path / "run")]
     cache = tmp_path / "inductor_cache"
     compiled = Run(tmp_path / "run", launch("train.py", args, hf_home, env={"TORCHINDUCTOR_CACHE_DIR": str(cache)}))
@@ -224,8 +228,9 @@ def test_compile_gives_the_eager_losses(tmp_path, hf_home, train_run):
     assert compiled.summary["model"]["compiled_regions"]["LlamaDecoderLayer"] == 2, compiled.summary["model"]
     assert any(p.suffix == ".py" for p in cache.rglob("*"))  # inductor generated kernels: it really compiled
     eager = {row["step"]: row["loss"] for row in train_run.summary["losses"]}
+    assert len(compiled.summary["losses"]) == len(eager) == 60
     for row in compiled.summary["losses"]:
-        assert abs(row["loss"] - eager[row["step"]]) <= 1e-5, row
-    assert abs(compiled.summary["eval"][-1]["loss"] - train_run.summary["eval"][-1]["loss"]) <= 1e-5
+        assert abs(row["loss"] - eager[row["step"]]) <= (1e-6 if row["step"] <= 17 else 5e-5), row
+    assert abs(compiled.summary["eval"][-1]["loss"] - train_run.summary["eval"][-1]["loss"]) <= 1e-6
     # compiled in place: the parameter names are the model's own, and the export loads as trained
     check_export_reproduces_model(compiled)
