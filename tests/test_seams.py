@@ -395,3 +395,31 @@ def test_an_export_over_a_killed_exports_leftovers_is_the_clean_export(leftovers
     with torch.no_grad():
         ids = torch.tensor([PROBE_INPUT_IDS])
         assert torch.equal(loaded(ids).logits, new_model(ids).logits)
+
+
+# ---- 6. the held-out loss x rows with unequal targets (conversations one per row, padding) ----
+
+def test_the_held_out_loss_weights_every_target_token_alike_whatever_its_row_holds():
+    """Packed text blocks all have seq_len targets, so a mean of per-row means would pass every run on
+    text; rows of conversations one per row (--packing false) or padded rows do not: 1, 3 and 15
+    targets here (the prompt and the padding at -100). The held-out loss must be the token mean, the
+    cross-entropy summed over every target in the test and divided by their count."""
+    set_seed(0)
+    model = AutoModelForCausalLM.from_config(PhiConfig(**PHI)).eval()
+    input_ids = torch.randint(0, PHI["vocab_size"], (3, 16), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, PHI["vocab_size"], (3, 16), generator=torch.Generator().manual_seed(2))
+    labels[0, :15] = -100  # one answer token
+    labels[1, :10], labels[1, 13:] = -100, -100  # three, between a prompt and padding
+    labels[2, 0] = -100  # fifteen
+    rows = [{"input_ids": input_ids[i], "labels": labels[i], "index": i} for i in range(3)]
+    loader = torch.utils.data.DataLoader(rows, batch_size=2)
+    result = modeling.evaluate(model, loader, Accelerator(cpu=True))
+    with torch.no_grad():
+        logits = model(input_ids=input_ids).logits.float()
+    per_token = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1),
+                                                  ignore_index=-100, reduction="none").view(3, 16)
+    targets = (labels != -100).sum(1)
+    assert targets.tolist() == [1, 3, 15] and result["tokens"] == 19
+    assert result["loss"] == pytest.approx((per_token.sum() / 19).item(), rel=1e-6, abs=0)
+    mean_of_means = (per_token.sum(1) / targets).mean().item()
+    assert abs(mean_of_means - result["loss"]) > 1e-3  # the two can be told apart on these rows

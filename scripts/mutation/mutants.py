@@ -383,9 +383,9 @@ MUTANTS: list[Mutant] = [
         old='loss = loss_sum / token_count if token_count else float("nan")',
         new='loss = sum(s / t for s, t in by_index.values() if t) / len(by_index) if token_count else float("nan")',
         what="the held-out loss is the mean of per-row means (rows with few targets over-weighted)",
-        tests=(DOCS + "test_a_run_on_conversations_learns_resumes_exactly_and_samples_an_answer",),
-        note="expected to SURVIVE: packed text blocks all have seq_len targets (mean of means = token mean), "
-             "and no test pins the held-out loss of conversations or padded rows to an independent value",
+        tests=("tests/test_seams.py::test_the_held_out_loss_weights_every_target_token_alike_whatever_its_row_holds",),
+        note="survived the first run (2026-12-05): packed text blocks all have seq_len targets (mean of means = "
+             "token mean) and no test pinned the held-out loss of rows with unequal targets; test_seams.py does now",
     ),
     Mutant(
         id="eval-repeats-counted",
