@@ -126,10 +126,11 @@ def _close_zygotes():
         zygote.close()
 
 
-def warm_or_cold(cmd: list[str], full_env: dict, cwd: Path, timeout: int):
+def warm_or_cold(cmd: list[str], full_env: dict, cwd: Path, timeout: int, warm: bool = True):
     """A 1-process launch forked from the warm process (same worker command and environment as
-    `accelerate launch` gives, ~8 s less start-up: tests/warm_launch.py); anything else launched."""
-    worker = warm_launch.simple_launch(cmd[2:], full_env)
+    `accelerate launch` gives, ~8 s less start-up: tests/warm_launch.py); anything else, or with
+    warm=False, through the launcher itself."""
+    worker = warm_launch.simple_launch(cmd[2:], full_env) if warm else None
     key = warm_launch.Zygote.key(worker[1]) if worker is not None else None
     if key is not None:
         if key not in _zygotes:
@@ -146,10 +147,7 @@ def launch(recipe: str, args: list[str], hf_home: Path, config: str = "cpu.yaml"
     """`accelerate launch` of a recipe; with `warm` (default) a 1-process launch runs forked from the
     warm process (tests/warm_launch.py), warm=False keeps the real launcher."""
     cmd, full_env = launch_command(recipe, args, hf_home, config, launch_args, env, recipe_path)
-    if warm:
-        proc = warm_or_cold(cmd, full_env, cwd, timeout)
-    else:
-        proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    proc = warm_or_cold(cmd, full_env, cwd, timeout, warm)
     if check and proc.returncode != 0:
         # The launcher's own traceback comes last; the workers' errors are earlier in stderr.
         worker_lines = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line]

@@ -471,8 +471,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         id="seam-resume-missing-option-key",
         file="train_extras/resume/checkpoint.py",
-        old='return {**defaults, **BEFORE_THE_OPTION, **meta.get("config", {})}',
-        new='return {**defaults, **meta.get("config", {}), **BEFORE_THE_OPTION}',
+        old='**BEFORE_THE_OPTION, **meta.get("config", {})}',
+        new='**meta.get("config", {}), **BEFORE_THE_OPTION}',
         what="the stand-ins for options a checkpoint predates override what it recorded (masked reads as unmasked)",
         tests=("tests/test_seams.py::test_a_checkpoint_from_before_the_later_options_resumes_with_their_defaults_exactly",),
     ),
@@ -527,8 +527,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         id="seam-resume-defaults-dropped",
         file="train_extras/resume/checkpoint.py",
-        old='    return {**defaults, **BEFORE_THE_OPTION, **meta.get("config", {})}',
-        new='    return {**BEFORE_THE_OPTION, **meta.get("config", {})}',
+        old='return {**dataclasses.asdict(type(cfg)()), **BEFORE_THE_OPTION,',
+        new='return {**BEFORE_THE_OPTION,',
         what="resume x later options: an option a checkpoint does not record is skipped, not compared as its default",
         tests=("tests/test_seams.py::test_a_later_option_a_checkpoint_does_not_record_counts_as_its_default",
                "tests/test_release_checkpoints.py::test_an_option_the_checkpoint_does_not_record_takes_its_default"),
@@ -536,12 +536,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         id="seam-resume-missing-key-raises",
         file="train_extras/resume/checkpoint.py",
-        old=("    saved_cfg = saved_options(meta, cfg)\n"
-             "    return {key: [saved_cfg[key], getattr(cfg, key)] for key in APPLIED_ON_RESUME\n"
-             "            if key in saved_cfg and saved_cfg[key] != getattr(cfg, key)}"),
-        new=('    saved_cfg = meta.get("config", {})\n'
-             "    return {key: [saved_cfg[key], getattr(cfg, key)] for key in APPLIED_ON_RESUME\n"
-             "            if saved_cfg[key] != getattr(cfg, key)}"),
+        old="    saved_cfg = saved_options(meta, cfg)\n    return {key: [saved_cfg[key], getattr(cfg, key)]",
+        new='    saved_cfg = meta.get("config", {})\n    return {key: [saved_cfg[key], getattr(cfg, key)]',
         what="resume x options added later: the schedule options a resume may change are read from checkpoint.json "
              "alone (KeyError on one it predates)",
         tests=("tests/test_seams.py::test_a_checkpoint_from_before_the_later_options_resumes_with_their_defaults_exactly",),

@@ -232,10 +232,7 @@ def saved_options(meta: dict, cfg) -> dict:
     added since (not recorded), what the code that wrote it did: BEFORE_THE_OPTION's value, else
     the option's default (an option is added with the old behaviour as its default). So a resume
     checks and reports a newer option against that, instead of skipping it."""
-    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
-                for f in dataclasses.fields(cfg)
-                if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
-    return {**defaults, **BEFORE_THE_OPTION, **meta.get("config", {})}
+    return {**dataclasses.asdict(type(cfg)()), **BEFORE_THE_OPTION, **meta.get("config", {})}
 
 
 # What makes a stream the same stream: a resumed streamed run skips that many blocks of it.
@@ -353,7 +350,7 @@ def resume_changes(meta: dict, cfg) -> dict:
     schedule, its length, clipping, cadences): this run applies its own (`apply_schedule`)."""
     saved_cfg = saved_options(meta, cfg)
     return {key: [saved_cfg[key], getattr(cfg, key)] for key in APPLIED_ON_RESUME
-            if key in saved_cfg and saved_cfg[key] != getattr(cfg, key)}
+            if saved_cfg[key] != getattr(cfg, key)}
 
 
 def apply_schedule(scheduler, cfg) -> None:
