@@ -20,7 +20,9 @@ kept. Requires the output folder on a filesystem every rank sees.
 Content checksums: every file's xxh3-128 digest is recorded in checkpoint.json as the save commits
 (read back from the page cache right after writing, split over the ranks and over threads), and
 before a resume `verify` checks each file's size and then its digest, before any model is built:
-bit rot, a bad copy or a file overwritten in place is one line naming the file. `auto` then falls
+bit rot, a bad copy or a file overwritten in place is one line naming the file. The checksums find
+damage, not tampering (whoever can write the folder can recompute them): every file a loader would
+unpickle is also checked by train_extras/resume/safe_load.py, with or without --verify_checkpoint. `auto` then falls
 back to the newest checkpoint that verifies, setting the damaged ones aside as `step_<N>.damaged`
 (kept, never deleted, out of auto's and rotation's way). --verify_checkpoint false checks sizes
 only. (xxh3 runs at ~25 GB/s on one core here; benchmarks/checkpoint_checksums.py measures the cost.)
@@ -52,6 +54,7 @@ from common.config import (ConfigError, TrainingError, data_file_list, data_para
 from common.files import write_json
 from train_extras import muon
 from train_extras.parallel import tensor_parallel
+from train_extras.resume import safe_load
 from train_extras.resume.output_dir import disk_full, free_bytes
 
 CHECKPOINT_DIR = "checkpoints"
@@ -152,6 +155,13 @@ def verify(path: str | Path, accelerator=None, contents: bool = True) -> dict:
         if bad:
             damaged = (f"{path / bad[0]} does not match its {DIGEST} checksum (changed since it was written: bit rot, "
                        f"a bad copy or an overwrite{f'; {len(bad) - 1} more file(s) too' if len(bad) > 1 else ''})")
+    if damaged is None:
+        try:  # what a loader would unpickle (always, also with contents=False): nothing in it may run
+            safe_load.check_folder(path)
+        except safe_load.Refused:
+            raise
+        except ConfigError as err:
+            damaged = str(err)
     if damaged:
         raise ConfigError(f"checkpoint {path} is damaged: {damaged}; resume from an older checkpoint")
     return meta
@@ -180,6 +190,8 @@ def resume_point(cfg, accelerator) -> tuple[Path | None, dict | None]:
     for candidate in reversed(list_complete(cfg.output_dir)):
         try:
             meta = verify(candidate, accelerator, cfg.verify_checkpoint)
+        except safe_load.Refused:  # not damage: someone wrote into the folder; a person must look
+            raise
         except ConfigError as err:
             damaged.append((candidate, err))
             continue
