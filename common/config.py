@@ -63,6 +63,8 @@ class ModelOptions:
     model_name_or_path: str | None = opt(None, "Local folder or Hub id of a causal LM to start from (+ its tokenizer).")
     tokenizer_name_or_path: str | None = opt(None, "Tokenizer (AutoTokenizer). Default: the model's, else bytes.")
     gradient_checkpointing: bool = opt(False, "Recompute activations in backward: less memory, ~30%% more compute.")
+    trust_remote_code: bool = opt(False, "Run the Python code a model or tokenizer folder ships (auto_map in its "
+                                         "config). Off: such a folder is refused; a built-in model never needs it.")
     attn_implementation: str = opt("auto", "Attention kernel (transformers' name): auto (transformers' choice: sdpa "
                                            "where the model has it, else eager), sdpa, eager, flash_attention_2...")
 

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from common.config import BUILDERS, ConfigError, data_file_list, data_parallel_size, same_on_every_rank
+from common.model import custom_code_refused
 from common.files import write_atomic
 
 SHAKESPEARE = Path(__file__).parent / "corpus" / "tinyshakespeare.txt"  # provenance: corpus/README.md
@@ -45,9 +46,10 @@ def build_tokenizer(cfg):
         # 256 byte values + pad/eos/unk = 259 ids; needs no vocabulary file and no download.
         return ByT5Tokenizer(extra_ids=0)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as err:
-        raise ConfigError(f"cannot load tokenizer from {name}: {str(err).splitlines()[0]}") from None
+        raise custom_code_refused(err, name) or ConfigError(
+            f"cannot load tokenizer from {name}: {str(err).splitlines()[0]}") from None
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"tokenizer {name} has no EOS token to separate packed documents")
     if not tokenizer("The text", add_special_tokens=False).input_ids:

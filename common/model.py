@@ -39,14 +39,29 @@ PRESETS: dict[str, dict] = {
 }
 
 
+def custom_code_refused(err: Exception, name: str) -> ConfigError | None:
+    """transformers' refusal of a folder's own code (trust_remote_code=False, never its [y/N] prompt),
+    as one line naming the option; None for any other error."""
+    if "trust_remote_code" not in str(err):
+        return None
+    return ConfigError(f"{name} ships its own Python code (auto_map in its config), which loading it would run: pass "
+                       "--trust_remote_code if you trust whoever wrote it, or use a model transformers has built in")
+
+
+def ships_code(config) -> bool:
+    """A config of a class from the model folder's own code (so loaded with --trust_remote_code):
+    building its model runs that code too. A built-in config never builds from a folder's code."""
+    return not type(config).__module__.startswith("transformers.")
+
+
 def model_config(cfg, vocab_size: int | None = None):
     """The transformers config of the model this run trains (no weights are created)."""
     if cfg.model_name_or_path:
         try:
-            return AutoConfig.from_pretrained(cfg.model_name_or_path)
-        except OSError as err:
-            raise ConfigError(f"cannot load model config from {cfg.model_name_or_path}: "
-                              f"{str(err).splitlines()[0]}") from None
+            return AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
+        except (OSError, ValueError) as err:
+            raise custom_code_refused(err, cfg.model_name_or_path) or ConfigError(
+                f"cannot load model config from {cfg.model_name_or_path}: {str(err).splitlines()[0]}") from None
     return LlamaConfig(vocab_size=vocab_size or 259, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
                        rms_norm_eps=1e-5, initializer_range=0.02, **PRESETS[cfg.preset])
 
@@ -70,11 +85,13 @@ def build_model(cfg, vocab_size: int, dtype: torch.dtype = torch.float32) -> nn.
     kwargs = {"attn_implementation": attention, "dtype": dtype}
     try:
         if cfg.model_name_or_path:
-            model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path,
+                                                         trust_remote_code=cfg.trust_remote_code, **kwargs)
         else:
             model = AutoModelForCausalLM.from_config(model_config(cfg, vocab_size), **kwargs)
     except (ValueError, ImportError) as err:  # e.g. an attention kernel this model or machine lacks
-        raise ConfigError(f"cannot build the model: {str(err).splitlines()[0]}") from None
+        raise custom_code_refused(err, cfg.model_name_or_path) or ConfigError(
+            f"cannot build the model: {str(err).splitlines()[0]}") from None
     if model.get_input_embeddings().num_embeddings < vocab_size:
         model.resize_token_embeddings(vocab_size)
     if cfg.gradient_checkpointing:

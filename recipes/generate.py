@@ -25,6 +25,7 @@ from transformers import HfArgumentParser
 
 from common import config
 from common.config import ConfigError
+from common.model import custom_code_refused, ships_code
 
 
 @dataclass
@@ -43,6 +44,9 @@ class GenerateConfig:
         metadata={"help": "End a sample at the tokenizer's EOS; false = always exactly --max_new_tokens tokens."},
     )
     device: str | None = field(default=None, metadata={"help": "Default: cuda if available, else cpu."})
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Run the Python code the folder ships (auto_map in its config); off: refused."}
+    )
     output_file: str | None = field(
         default=None, metadata={"help": "Also write the samples and these settings as JSON."}
     )
@@ -95,25 +99,28 @@ def resolve_device(name: str | None):
     return device
 
 
-def check_causal_lm(folder: str) -> None:
+def check_causal_lm(folder: str, trust_remote_code: bool = False) -> None:
     """Read config.json alone (no weights): a broken file or a model that cannot write fails here."""
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
     try:
-        model_config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        model_config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
-        raise ConfigError(f"cannot read the model config in {folder}: {config.one_line(err)}") from None
-    if type(model_config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise custom_code_refused(err, folder) or ConfigError(
+            f"cannot read the model config in {folder}: {config.one_line(err)}") from None
+    custom = ships_code(model_config) and "AutoModelForCausalLM" in getattr(model_config, "auto_map", {})
+    if type(model_config) not in MODEL_FOR_CAUSAL_LM_MAPPING and not custom:
         raise ConfigError(f"{folder} holds a {type(model_config).__name__} model, which is not a causal LM")
 
 
-def load_tokenizer(folder: str):
+def load_tokenizer(folder: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as err:
-        raise ConfigError(f"cannot load a tokenizer from {folder}: {config.one_line(err)}") from None
+        raise custom_code_refused(err, folder) or ConfigError(
+            f"cannot load a tokenizer from {folder}: {config.one_line(err)}") from None
 
 
 def encode_prompt(tokenizer, prompt: str) -> list[int]:
@@ -126,13 +133,14 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
     return ids
 
 
-def load_model(folder: str, device):
+def load_model(folder: str, device, trust_remote_code: bool = False):
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError, KeyError) as err:
-        raise ConfigError(f"cannot load a causal LM from {folder}: {config.one_line(err)}") from None
+        raise custom_code_refused(err, folder) or ConfigError(
+            f"cannot load a causal LM from {folder}: {config.one_line(err)}") from None
     return model.to(device).eval()
 
 
@@ -147,10 +155,10 @@ def new_token_counts(new_tokens, eos_id: int | None) -> list[int]:
 def main(argv=None):
     args = parse_args(argv)
     device = resolve_device(args.device)
-    check_causal_lm(args.model)
-    tokenizer = load_tokenizer(args.model)  # before the weights: a bad prompt fails fast
+    check_causal_lm(args.model, args.trust_remote_code)
+    tokenizer = load_tokenizer(args.model, args.trust_remote_code)  # before the weights: a bad prompt fails fast
     prompt_ids = encode_prompt(tokenizer, args.prompt)
-    model = load_model(args.model, device)
+    model = load_model(args.model, device, args.trust_remote_code)
 
     import torch
     from transformers import set_seed

@@ -235,3 +235,58 @@ def test_a_resume_with_a_payload_runs_nothing(tmp_path, hf_home):
     assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
     assert f"{step_dir / file} wants " in errors[0] and "exec" in errors[0]
     assert not marker.exists() and not (out / "run_summary.json").exists()
+
+
+# ---- a model folder's own code (--trust_remote_code) ----
+
+CUSTOM_CODE = '''import pathlib
+
+pathlib.Path({marker!r}).touch()  # the folder's code ran
+
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+class MarkerConfig(LlamaConfig):
+    model_type = "marker_llama"
+
+
+class MarkerModel(LlamaForCausalLM):
+    config_class = MarkerConfig
+'''
+
+
+def custom_code_folder(folder: Path, marker: Path) -> Path:
+    """A model folder whose config names classes of its own Python file (auto_map)."""
+    folder.mkdir()
+    (folder / "custom.py").write_text(CUSTOM_CODE.format(marker=str(marker)))
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "marker_llama", "auto_map": {"AutoConfig": "custom.MarkerConfig",
+                                                   "AutoModelForCausalLM": "custom.MarkerModel"},
+        "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+        "intermediate_size": 32, "vocab_size": 259, "max_position_embeddings": 64}))
+    return folder
+
+
+@pytest.mark.quick
+def test_a_folder_with_its_own_code_needs_trust_remote_code(tmp_path, monkeypatch):
+    """Without the option: one line naming it, no [y/N] prompt (stdin closed: the prompt would be an
+    EOFError), the folder's code never imported. With it: the config and the model class load."""
+    from common import model as modeling
+    from conftest import load_recipe, parse_train
+    from train_extras.observe import flops
+
+    marker = tmp_path / "marker"
+    folder = custom_code_folder(tmp_path / "custom_model", marker)
+    monkeypatch.setattr("sys.stdin", __import__("io").StringIO(""))
+    cfg = parse_train(["--model_name_or_path", str(folder)])
+    generate = load_recipe("generate")
+    for refused_here in (lambda: modeling.model_config(cfg), lambda: modeling.check_seq_len(cfg),
+                         lambda: generate.check_causal_lm(str(folder))):
+        with pytest.raises(ConfigError, match=f"^{folder} ships its own Python code .* pass --trust_remote_code"):
+            refused_here()
+    assert not marker.exists()
+    cfg = parse_train(["--model_name_or_path", str(folder), "--trust_remote_code", "true"])
+    config = modeling.model_config(cfg)
+    assert type(config).__name__ == "MarkerConfig" and marker.exists()
+    assert type(flops.meta_model(config)).__name__ == "MarkerModel"
+    generate.check_causal_lm(str(folder), trust_remote_code=True)

@@ -135,7 +135,7 @@ def load_config(preset: str | None = None, model_name_or_path: str | None = None
         from transformers import AutoConfig
 
         try:
-            return AutoConfig.from_pretrained(model_name_or_path)
+            return AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=False)  # reads, runs nothing
         except (OSError, ValueError, KeyError) as err:
             raise PlanError(f"cannot read {model_name_or_path}/config.json: {str(err).splitlines()[0]}") from None
     if preset not in PRESET_NAMES:

@@ -10,6 +10,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from common.config import ConfigError
+from common.model import ships_code
 
 
 def text_config(config):
@@ -41,7 +42,7 @@ def meta_model(config) -> nn.Module:
     plugin = AcceleratorState().deepspeed_plugin if is_initialized() else None
     if plugin is None:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=ships_code(config))
     # Under ZeRO-3 transformers builds every model inside deepspeed.zero.Init and initialises its
     # weights there, which a meta-device model cannot take: hide DeepSpeed's config from transformers
     # while this one is built, then give it back as accelerate set it.
@@ -50,7 +51,7 @@ def meta_model(config) -> nn.Module:
     unset_hf_deepspeed_config()
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=ships_code(config))
     finally:
         plugin.set_deepspeed_weakref()
 

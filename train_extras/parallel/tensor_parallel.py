@@ -303,7 +303,7 @@ def load_with_tp_plan(folder: str, cfg, tp_size: int, accelerator) -> nn.Module:
     from transformers import AutoModelForCausalLM, DistributedConfig
 
     model = AutoModelForCausalLM.from_pretrained(
-        folder, attn_implementation="sdpa", dtype=torch.float32,
+        folder, attn_implementation="sdpa", dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
         distributed_config=DistributedConfig(tp_plan="auto", tp_size=tp_size))
     # transformers 5.24 builds its own mesh over the ranks; it must be accelerate's "tp" mesh, whose
     # groups decide which ranks get the same batch.
