@@ -194,6 +194,20 @@ def test_muon_trains_and_resumes_exactly(muon_run, tmp_path, hf_home):
         checkpoint.check_compatible(saved, adamw, Accelerator(cpu=True), meta)
 
 
+def test_eval_only_on_a_muon_checkpoint_without_the_option_is_one_true_line(muon_run):
+    """--eval_only skips the checks of training; the optimizer state still loads (ad106ca: "KeyError:
+    'param_groups'" from accelerate's load_state)."""
+    saved = muon_run / "checkpoints" / "step_4"
+    meta = json.loads((saved / "checkpoint.json").read_text())
+    eval_only = parse_train([*DEBUG_ARGS, "--eval_only", "true", "--output_dir", str(muon_run),
+                             "--resume_from_checkpoint", str(saved)])
+    with pytest.raises(ConfigError, match=r"--optimizer muon, .* \(this run: adamw\): add --optimizer muon"):
+        checkpoint.check_compatible(saved, eval_only, Accelerator(cpu=True), meta)
+    with_muon = parse_train([*DEBUG_ARGS, "--eval_only", "true", "--optimizer", "muon", "--resume_from_checkpoint",
+                             str(saved)])
+    assert checkpoint.check_compatible(saved, with_muon, Accelerator(cpu=True), meta) is meta
+
+
 def test_muon_on_two_ddp_ranks_with_the_chunked_loss_matches_one_process(muon_run, tmp_path, hf_home):
     """Each rank orthogonalises the same all-reduced gradient: the same updates as one process
     with the whole batch (micro-batch 4 on each of 2 ranks = 8), the loss chunked or not."""

@@ -284,6 +284,10 @@ def check_compatible(path: str | Path, cfg, accelerator, meta: dict) -> dict:
             f"{saved_world} processes (--resume_from_checkpoint {path} --max_steps {meta.get('step')}) and start "
             "a new run from <output_dir>/model with --model_name_or_path (the optimizer state starts afresh)")
     if cfg.eval_only:  # evaluates the weights: the data position and the batch do not matter
+        if saved_cfg["optimizer"] != cfg.optimizer:  # but load_state restores the optimizer's state too
+            raise ConfigError(f"{meta_file} was trained with --optimizer {saved_cfg['optimizer']}, whose state "
+                              f"loads only into that optimizer (this run: {cfg.optimizer}): add --optimizer "
+                              f"{saved_cfg['optimizer']} (--eval_only trains nothing with it)")
         return meta
     streamed = (bool(saved_cfg.get("streaming")), saved_world, saved_cfg.get("micro_batch_size"))
     if (streamed[0] or cfg.streaming) and streamed != (cfg.streaming, this_world, cfg.micro_batch_size):
