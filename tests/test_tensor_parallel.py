@@ -514,3 +514,17 @@ def test_the_dense_families_plans_are_accepted_and_a_tied_split_embedding_refuse
     with pytest.raises(ConfigError, match=r"^train.py: the GPTNeoX model ties its LM head to the input embedding, "
                                           r"which its tensor-parallel plan splits \(embed_in\)"):
         tensor_parallel.check(stand_in(), TrainConfig(), tied, "train.py")
+
+
+def test_a_payload_in_a_tensor_parallel_checkpoint_is_refused(tp_runs, tmp_path):
+    """The DCP folder of model and optimizer shards (tests/test_safe_loading.py does the other strategies)."""
+    from test_safe_loading import copy_checkpoint, plant_dcp_item, plant_raw_pickle, refused
+
+    step_dir = copy_checkpoint(tp_runs("train.py/tp.yaml").output_dir / "checkpoints" / "step_30", tmp_path / "run")
+    verify(step_dir)
+    marker = tmp_path / "marker"
+    plant_raw_pickle(step_dir / "model_optimizer_dcp" / ".metadata", marker)
+    refused(step_dir, "model_optimizer_dcp/.metadata", marker)
+    step_dir = copy_checkpoint(tp_runs("train.py/tp.yaml").output_dir / "checkpoints" / "step_30", tmp_path / "run2")
+    plant_dcp_item(step_dir / "model_optimizer_dcp", marker)
+    refused(step_dir, "model_optimizer_dcp/__", marker)
