@@ -193,7 +193,7 @@ LATER_OPTIONS = (
     "txt_documents", "add_bos", "data_timeout", "dataset_num_proc", "eval_only", "export_dtype", "streaming",
     "warmup_ratio", "verify_checkpoint", "overwrite_output_dir", "router_aux_loss_coef", "chat_column",
     "chat_template", "data_mixture", "overlong", "sample_message", "optimizer", "muon_lr", "muon_weight_decay",
-    "muon_momentum", "muon_adjust_lr", "loss_chunk_size")
+    "muon_momentum", "muon_adjust_lr", "loss_chunk_size", "trust_remote_code")
 # document_mask came with them but is kept: its absence means "trained without masks" (refused with
 # them on: test_resume_changes.py), and train_run trained with them.
 
