@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
+import sys
 import tarfile
 import zipfile
 from pathlib import Path
@@ -268,6 +269,10 @@ def test_a_folder_with_its_own_code_needs_trust_remote_code(tmp_path, monkeypatc
     marker = tmp_path / "marker"
     folder = custom_code_folder(tmp_path / "custom_model", marker)
     monkeypatch.setattr("sys.stdin", __import__("io").StringIO(""))
+    # transformers copies trusted folder code into its modules cache and puts it on sys.path:
+    # the test's own, not the user's ~/.cache/huggingface/modules
+    monkeypatch.setattr("transformers.dynamic_module_utils.HF_MODULES_CACHE", str(tmp_path / "modules"))
+    monkeypatch.setattr("sys.path", list(sys.path))
     cfg = parse_train(["--model_name_or_path", str(folder)])
     generate = load_recipe("generate")
     for refused_here in (lambda: modeling.model_config(cfg), lambda: modeling.check_seq_len(cfg),
