@@ -150,12 +150,13 @@ class DocumentOptions:
     """What a training document is: text or a conversation, packed apart from its neighbours, from
     one source or a mixture (train_extras/data/)."""
     chat_column: str | None = field(
-        default=None, metadata={"help": "Column of conversations (lists of {role, content} messages), rendered by "
+        default=None, metadata={"help": "Column of conversations (lists of {role, content} messages, content a "
+                                        "string or OpenAI text parts; or ShareGPT {from, value} turns), rendered by "
                                         "the tokenizer's chat template with the loss on the assistant's tokens only. "
                                         "Default: a column of that shape, if the data has one."})
     chat_template: str | None = field(
         default=None, metadata={"help": "A Jinja chat template file, for a tokenizer without one (or to replace its "
-                                        "own); the export keeps it."})
+                                        "own); the export keeps it. Refused for data that holds text only."})
     overlong: Literal["drop", "truncate"] = field(
         default="drop", metadata={"help": "A conversation longer than --seq_len + 1 tokens: left out, or cut to it "
                                           "(either is counted in the setup block)."})
