@@ -27,7 +27,7 @@ from bench_utils import write_results  # noqa: E402
 
 from common import data  # noqa: E402
 from common import model as modeling  # noqa: E402
-from train_extras import documents  # noqa: E402
+from train_extras.data import assemble  # noqa: E402
 from train_extras.options import TrainConfig  # noqa: E402
 
 ROUNDS, STEPS = 12, 3
@@ -38,8 +38,8 @@ def time_setting(text_file: str, preset: str, micro_batch: int, seq_len: int) ->
     cfg = TrainConfig(preset=preset, micro_batch_size=micro_batch, seq_len=seq_len, data_files=[text_file],
                       attn_implementation="sdpa", max_steps=100000)
     tokenizer = data.build_tokenizer(cfg)
-    masked = documents.build(cfg, tokenizer).train
-    unmasked = documents.build(dataclasses.replace(cfg, document_mask=False), tokenizer).train
+    masked = assemble.build(cfg, tokenizer).train
+    unmasked = assemble.build(dataclasses.replace(cfg, document_mask=False), tokenizer).train
     torch.manual_seed(0)
     model = modeling.build_model(cfg, len(tokenizer))
     optimizer = modeling.build_optimizer(model, cfg, torch.device("cpu"))

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 from common import config, data  # noqa: E402
 from common import model as modeling  # noqa: E402
 from common.files import write_json  # noqa: E402
-from train_extras import documents  # noqa: E402
+from train_extras.data import assemble  # noqa: E402
 from train_extras.options import TrainConfig  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def main(argv=None):
     cfg = config.parse(TrainConfig, argv, recipe="plain_loop.py")  # train.py's options: the same command line
     torch.manual_seed(cfg.seed)
     tokenizer = data.build_tokenizer(cfg)
-    built = documents.build(cfg, tokenizer)  # train.py's data: document masks, conversations, mixtures
+    built = assemble.build(cfg, tokenizer)  # train.py's data: document masks, conversations, mixtures
     train_loader, _ = data.build_loaders(cfg, built.train, built.held_out[next(iter(built.held_out))],
                                          pin_memory=False)
     model = modeling.build_model(cfg, len(tokenizer))

@@ -114,9 +114,9 @@ def text_documents(ds, column: str, source: str):
     if len(ds) > 0:  # the non-blank texts of `column`, as one column 'text'
         if column not in ds.column_names:
             raise ConfigError(f"{source}: no column {column!r} (has {ds.column_names}); set --text_column")
-        ds = ds.select_columns([column])
-        if column != "text":
-            ds = ds.rename_column(column, "text")
+        if getattr(ds.features[column], "dtype", None) not in ("string", "large_string"):  # numbers, lists...
+            raise ConfigError(f"{source}: column {column!r} holds {ds.features[column]}, not text: set --text_column")
+        ds = ds.select_columns([column]).rename_columns({column: "text"})
         ds = ds.filter(lambda batch: [bool(t and t.strip()) for t in batch["text"]], batched=True)
     if len(ds) == 0:
         raise ConfigError(f"dataset is empty (no non-blank documents): {source}")

@@ -25,8 +25,8 @@ over all micro-batches and ranks; clipping on the full gradient (pre-clip norm l
 losses skipped, counted, and fatal after --max_nonfinite_steps in a row; four LR schedules;
 held-out eval; data as text or conversations (chat template, loss on the assistant's tokens),
 packed with document masks (positions restart, no attention across documents), from one source
-or a weighted mixture with a held-out loss per source (train_extras/documents.py, conversations.py,
-mixture.py); gradient checkpointing; pretrained start; resumable, atomic, rotated checkpoints
+or a weighted mixture with a held-out loss per source (train_extras/data/: sources, formats,
+render, packing); gradient checkpointing; pretrained start; resumable, atomic, rotated checkpoints
 with exact resume; fused AdamW; tqdm bar with loss, lr and tokens/s on a terminal, one plain line
 per interval in a log file; <output_dir>/metrics.jsonl appended as the run goes. Preemption
 (SIGTERM/SIGUSR1 on any rank): every rank finishes the step, a checkpoint and
@@ -56,7 +56,8 @@ from accelerate.utils import (DistributedType, GradientAccumulationPlugin, GradS
 from common import config, data, guard
 from common import model as modeling
 from common.export import export_pretrained
-from train_extras import chunked_loss, conversations, data_at_scale, documents, mixture, moe, muon
+from train_extras import chunked_loss, moe, muon
+from train_extras.data import assemble, at_scale, packing, render
 from train_extras.observe import flops, metrics, run_record
 from train_extras.observe.run_record import RunRecord
 from train_extras.observe.sampling import sample_text
@@ -80,7 +81,7 @@ def main(argv=None):
     run.saved["tracker_run"] = record.start_trackers(resume_meta)
     start = restore(run, record, resume_path, resume_meta)
     if cfg.eval_only:  # the model as it is, on the held-out data: nothing trains or is saved
-        result = mixture.evaluate(run.model, run.eval_loaders, accelerator, cfg.eval_batches)
+        result = assemble.evaluate(run.model, run.eval_loaders, accelerator, cfg.eval_batches)
         record.evaluated_only(start.step, result)
         return end(accelerator)
 
@@ -199,34 +200,34 @@ class TrainData:
     eval_loaders: dict  # as eval_sets
     identity: dict  # what the data options resolved to: kept in checkpoints, checked on resume
     kind: str  # "text", "conversations" or "mixed" (a mixture of both)
-    facts: dict  # conversations' fates, a mixture's shares (documents.Datasets.facts)
+    facts: dict  # conversations' fates, a mixture's shares (assemble.Datasets.facts)
 
 
 def prepare_data(cfg, accelerator, tokenizer, facts: ModelFacts, resume_path,
                  resume_meta) -> TrainData:
     """Rank 0 tokenises and caches first (the others wait up to --data_timeout), then the others
-    read its cache; or each rank streams its own part (train_extras/data_at_scale.py)."""
+    read its cache; or each rank streams its own part (train_extras/data/at_scale.py)."""
     if cfg.streaming and facts.tp_layout:
         raise config.ConfigError(
             "--streaming splits the stream over all ranks: not with tensor parallelism")
-    with data_at_scale.main_process_first(accelerator, cfg.data_timeout):
+    with at_scale.main_process_first(accelerator, cfg.data_timeout):
         if cfg.streaming:
-            train_set = data_at_scale.StreamedBlocks(cfg, tokenizer, rank=accelerator.process_index,
-                                                     world_size=accelerator.num_processes)
-            built = documents.Datasets(train_set, {"": data_at_scale.held_out_set(cfg, tokenizer)},
-                                       "text", {})
+            train_set = at_scale.StreamedBlocks(cfg, tokenizer, rank=accelerator.process_index,
+                                                world_size=accelerator.num_processes)
+            built = assemble.Datasets(train_set, {"": at_scale.held_out_set(cfg, tokenizer)},
+                                      "text", {})
         else:  # text or conversations, from one source or a mixture
-            built = documents.build(cfg, tokenizer, num_proc=cfg.dataset_num_proc)
+            built = assemble.build(cfg, tokenizer, num_proc=cfg.dataset_num_proc)
     train_set, eval_sets = built.train, built.held_out
     identity = {**checkpoint.data_identity(cfg, None if cfg.streaming else len(train_set)),
-                **documents.identity(cfg, tokenizer, built.kind)}
+                **assemble.identity(cfg, tokenizer, built.kind)}
     if resume_meta is not None and not cfg.eval_only:  # a file rewritten in place
         checkpoint.check_same_data(resume_path, resume_meta, identity)
     pin_memory = accelerator.device.type == "cuda"
     loaders = {}
     for name, eval_set in eval_sets.items():
         if cfg.streaming:
-            loaders[name] = data_at_scale.streamed_loaders(cfg, train_set, eval_set, pin_memory)
+            loaders[name] = at_scale.streamed_loaders(cfg, train_set, eval_set, pin_memory)
         else:  # --eval_only trains nothing: its training set may hold less than a batch per rank
             loaders[name] = data.build_loaders(cfg, train_set, eval_set, pin_memory=pin_memory,
                                                trains=not cfg.eval_only)
@@ -256,7 +257,7 @@ def start_record(cfg, accelerator, train_data: TrainData, facts: ModelFacts) -> 
                     f"{eval_count} held-out " + (f"blocks of {cfg.seq_len + 1} tokens"
                                                  if cfg.packing else "documents, padded")
                     + (", documents masked apart" if cfg.packing and cfg.document_mask else ""),
-            **documents.describe(train_data.facts),  # conversations dropped, a mixture's shares
+            **assemble.describe(train_data.facts),  # conversations dropped, a mixture's shares
             **tensor_parallel.describe_mesh(accelerator),  # HSDP: dp_replicate x dp_shard
             **({"experts": f"{route['experts']}, top-{route['top_k']} per token; "
                            f"router loss weight {route['coef']:g}"} if route else {}),
@@ -323,7 +324,7 @@ def build(cfg, accelerator, tokenizer, train_data: TrainData, facts: ModelFacts,
         model, optimizer, train_loader, *eval_loaders, scheduler = accelerator.prepare(
             model, optimizer, train_loader, *eval_loaders, scheduler)
     if cfg.packing and cfg.document_mask:  # asked of the model: some ignore position ids
-        documents.check_kept_apart(model, accelerator, len(tokenizer))
+        packing.check_kept_apart(model, accelerator, len(tokenizer))
     chunked_loss.check_plain_head(model, loss_head, accelerator, len(tokenizer))
     active = parameters - facts.inactive_parameters  # MoE: a token goes through top-k experts
     record.model(parameters, active, metrics.compiled_regions(model))
@@ -334,7 +335,7 @@ def build(cfg, accelerator, tokenizer, train_data: TrainData, facts: ModelFacts,
                                              "tensor_parallel_size", "mixed_precision")}}
     prompt = cfg.sample_prompt
     if train_data.kind != "text":  # conversations: the model's answer to a user message
-        prompt = conversations.sample_prompt(tokenizer, cfg.sample_message)
+        prompt = render.sample_prompt(tokenizer, cfg.sample_message)
     return Run(cfg, accelerator, model, optimizer, scheduler, tokenizer, train_loader,
                dict(zip(names, eval_loaders)), prompt, tp_layout, facts.route, saved, loss_head)
 
@@ -373,7 +374,7 @@ def train(run: Run, record: RunRecord, start: Position, watch) -> dict | None:
     cfg, accelerator, optimizer = run.cfg, run.accelerator, run.optimizer
     run.model.train()
     if cfg.streaming:
-        batches = data_at_scale.streamed_batches(accelerator, run.train_loader, start.skip)
+        batches = at_scale.streamed_batches(accelerator, run.train_loader, start.skip)
         micro_batches_done = start.skip
     else:
         batches = batches_forever(accelerator, run.train_loader, start.epoch, start.skip)
@@ -482,7 +483,7 @@ def update(run: Run, overflow: "OverflowSkips"):
 
 def evaluate(run: Run, record: RunRecord, step: int) -> None:
     cfg = run.cfg
-    result = mixture.evaluate(run.model, run.eval_loaders, run.accelerator, cfg.eval_batches)
+    result = assemble.evaluate(run.model, run.eval_loaders, run.accelerator, cfg.eval_batches)
     record.eval(step, result)
     if cfg.sample_at_eval and cfg.sample_length:
         sample(run, record, step)

@@ -130,6 +130,27 @@ def test_source_errors(hf_cache, tmp_path):
         data.build_datasets(cfg, data.build_tokenizer(cfg))
 
 
+@pytest.mark.parametrize("name, content, holds", [
+    ("numbers.csv", "text,label\n1,0\n2,1\n3,0\n", "Value('int64')"),
+    ("lists.jsonl", '{"text": ["a", "b"]}\n{"text": ["c"]}\n', "List(Value('string'))"),
+])
+def test_a_text_column_that_holds_no_text_is_one_line(hf_cache, tmp_path, name, content, holds):
+    """A CSV whose text column is numbers, a JSONL whose text is a list: one line naming the file
+    and the column, loaded or streamed (once an AttributeError, and nothing at all when streamed)."""
+    from train_extras.data import at_scale
+
+    path = tmp_path / name
+    path.write_text(content)
+    expected = f"{path}: column 'text' holds {holds}, not text: set --text_column"
+    with pytest.raises(ConfigError) as err:
+        data.load_documents(TrainConfig(data_files=[str(path)]))
+    assert str(err.value) == expected
+    cfg = parse(TrainConfig, ["--data_files", str(path), "--eval_data_files", str(path), "--streaming"],
+                recipe="train.py")
+    with pytest.raises(ConfigError, match=f"{path}: column 'text' holds (int|list) values, not text"):
+        next(iter(at_scale.StreamedBlocks(cfg, data.build_tokenizer(cfg), 0, 1)))
+
+
 def test_unpacked_documents_are_padded_with_ignored_labels(hf_cache, tmp_path):
     jsonl = tmp_path / "docs.jsonl"
     jsonl.write_text("\n".join(json.dumps({"text": "x" * n}) for n in (3, 10, 1, 7, 40, 5)))
@@ -396,7 +417,7 @@ def test_a_stream_without_a_micro_batch_on_some_rank_stops_every_rank(hf_cache, 
     """Each rank learns at the first batch whether every rank has one: all stop with the same line."""
     import torch
 
-    from train_extras import data_at_scale
+    from train_extras.data import at_scale
 
     small = tmp_path / "small.jsonl"
     small.write_text(json.dumps({"text": "x" * 200}) + "\n")  # 201 tokens: 3 blocks of 65
@@ -405,10 +426,10 @@ def test_a_stream_without_a_micro_batch_on_some_rank_stops_every_rank(hf_cache, 
     tokenizer = data.build_tokenizer(cfg)
 
     def first_batch(cfg, others_have: list[int]):
-        loader, _ = data_at_scale.streamed_loaders(cfg, data_at_scale.StreamedBlocks(cfg, tokenizer, 0, 1), [], False)
+        loader, _ = at_scale.streamed_loaders(cfg, at_scale.StreamedBlocks(cfg, tokenizer, 0, 1), [], False)
         accelerator = SimpleNamespace(device=torch.device("cpu"), process_index=0,
                                       gather=lambda mine: torch.cat([mine, torch.tensor(others_have)]))
-        return next(data_at_scale.streamed_batches(accelerator, loader))
+        return next(at_scale.streamed_batches(accelerator, loader))
 
     with pytest.raises(ConfigError) as err:
         first_batch(cfg, [1])  # this rank (0) has none; rank 1 has one

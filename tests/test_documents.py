@@ -20,7 +20,7 @@ from common.config import ConfigError
 from common.data import build_tokenizer
 from conftest import ROOT, SYNTHETIC, Run, check_exact_resume, launch, launch_two_processes, parse_train
 from synthetic import CHAT_TEMPLATE, conversations_file, save_chat_tokenizer, synthetic_conversations
-from train_extras import conversations, documents, mixture
+from train_extras.data import assemble, formats, packing, render, sources
 from train_extras.resume import checkpoint
 
 SEQ = 128
@@ -40,7 +40,7 @@ def chat(tmp_path_factory):
 def build(argv):
     cfg = parse_train(argv)
     tokenizer = build_tokenizer(cfg)
-    return cfg, tokenizer, documents.build(cfg, tokenizer)
+    return cfg, tokenizer, assemble.build(cfg, tokenizer)
 
 
 def independent_render(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
@@ -64,10 +64,10 @@ def independent_render(tokenizer, messages: list[dict]) -> tuple[list[int], list
 def test_the_template_markers_and_the_prefix_differences_agree(chat):
     """Both ways of finding the assistant's tokens, on a template that has both, for every conversation."""
     tokenizer = AutoTokenizer.from_pretrained(chat["tokenizer"])
-    assert conversations.GENERATION_MARKER.search(tokenizer.chat_template)
+    assert render.GENERATION_MARKER.search(tokenizer.chat_template)
     for messages in synthetic_conversations(600):
-        by_markers = conversations.by_markers(tokenizer, messages)
-        assert conversations.by_prefixes(tokenizer, messages) == by_markers
+        by_markers = render.by_markers(tokenizer, messages)
+        assert render.by_prefixes(tokenizer, messages) == by_markers
         assert by_markers == independent_render(tokenizer, messages)
 
 
@@ -79,8 +79,8 @@ def test_labels_are_minus_100_exactly_where_the_next_token_is_not_the_assistants
     cfg, tokenizer, built = build(["--tokenizer_name_or_path", chat["tokenizer"], "--data_files", chat["data"],
                                    "--seq_len", str(SEQ), "--packing", str(packing).lower()])
     assert built.kind == "conversations"
-    source = documents.load_source(cfg)
-    rendered = [independent_render(tokenizer, conversations.clean(m)) for m in source.train["messages"]]
+    source = formats.load_source(cfg)
+    rendered = [independent_render(tokenizer, render.clean(m)) for m in source.train["messages"]]
     kept = [(ids, mask) for ids, mask in rendered if len(ids) <= SEQ + 1]  # --overlong drop (the default)
     assert built.facts["conversations"] == {"kept": len(kept), "truncated": 0,
                                             "dropped_overlong": len(rendered) - len(kept),
@@ -116,7 +116,7 @@ def test_overlong_conversations_are_truncated_when_asked(chat):
     drop, cut = dropped.facts["conversations"], truncated.facts["conversations"]
     assert drop["dropped_overlong"] == cut["truncated"] > 0 and drop["kept"] == cut["kept"]
     assert len(truncated.train) == cut["kept"] + cut["truncated"]  # every truncated one still has an answer
-    assert "truncated" in conversations.describe(cut) and cut["dropped_no_assistant_token"] == 0
+    assert "truncated" in render.describe(cut) and cut["dropped_no_assistant_token"] == 0
 
 
 @pytest.mark.quick
@@ -132,19 +132,126 @@ def test_a_conversations_column_beside_the_text_column_leaves_the_data_text(chat
 
 
 @pytest.mark.quick
-def test_a_template_that_fails_on_a_conversation_is_one_line(chat, tmp_path):
-    strict = tmp_path / "strict.jinja"  # as many templates do: roles must alternate
+def test_a_template_that_fails_on_a_conversation_names_its_file_and_line(chat, tmp_path):
+    """The strict template's error names the conversation's line in its file, not its index in the
+    shuffled split; a blank line is no row and still counts as a line."""
+    strict = tmp_path / "strict.jinja"  # as many templates do: no system message (or: roles must alternate)
     strict.write_text("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}"
                       "{% endif %}{{ m['content'] }}{% endfor %}")
-    argv = ["--tokenizer_name_or_path", chat["tokenizer"], "--data_files", chat["data"], "--seq_len", str(SEQ)]
-    with pytest.raises(ConfigError, match="the chat template cannot render train conversation 0: "
-                                          "TemplateError: no system") as err:
+    talks = synthetic_conversations(40)
+    lines = [json.dumps({"messages": m if i == 29 else m[1:]}) for i, m in enumerate(talks)]  # one system message
+    rows = tmp_path / "strict.jsonl"
+    rows.write_text("\n".join(lines[:3] + [""] + lines[3:]) + "\n")  # row 29 is on line 31
+    argv = ["--tokenizer_name_or_path", chat["tokenizer"], "--data_files", str(rows), "--seq_len", str(SEQ)]
+    with pytest.raises(ConfigError) as err:
         build(argv + ["--chat_template", str(strict)])
-    assert "\n" not in str(err.value)
+    assert str(err.value) == (f"{rows} line 31: the chat template cannot render this conversation: "
+                              "TemplateError: no system")
     broken = tmp_path / "broken.jinja"
     broken.write_text("{% for m in messages %}{{ m['content'] }}")
     with pytest.raises(ConfigError, match="is not a Jinja template: line 1: Unexpected end of template"):
         build(argv + ["--chat_template", str(broken)])
+
+
+@pytest.mark.quick
+def test_a_chat_template_for_text_data_is_refused(chat, tmp_path):
+    """--chat_template renders conversations: given for text it rendered nothing and was written into
+    the export all the same. One line instead, for one source or a mixture of text sources."""
+    refusal = (f"--chat_template {chat['template']} renders conversations, and the data holds text only (no column "
+               "of messages or ShareGPT turns was found): drop --chat_template, or name the conversations' column "
+               "with --chat_column")
+    spec = tmp_path / "prose.yaml"
+    spec.write_text(f"sources:\n  - name: prose\n    data_files: {SYNTHETIC}\n    weight: 1\n")
+    for data in (["--data_files", SYNTHETIC], ["--data_mixture", str(spec)]):
+        cfg = parse_train(["--tokenizer_name_or_path", chat["no_template"], *data, "--seq_len", str(SEQ),
+                           "--chat_template", chat["template"]])
+        tokenizer = build_tokenizer(cfg)
+        with pytest.raises(ConfigError) as err:
+            assemble.build(cfg, tokenizer)
+        assert str(err.value) == refusal and tokenizer.chat_template is None
+
+
+# ---- chat formats as people write them: ShareGPT, OpenAI content parts ----
+
+SHAREGPT_SENDER = {"system": "system", "user": "human", "assistant": "gpt", "tool": "tool"}
+
+
+def chat_forms(folder, talks: list[list[dict]]) -> dict:
+    """The same conversations as messages, as ShareGPT turns, and with contents as OpenAI parts
+    (each split in two text parts; every third one left a string: a file mixes both)."""
+    def parts(text: str, i: int):
+        return text if i % 3 == 0 else [{"type": "text", "text": text[:len(text) // 2]},
+                                        {"type": "text", "text": text[len(text) // 2:]}]
+
+    forms = {"messages": [{"messages": m} for m in talks],
+             "sharegpt": [{"conversations": [{"from": SHAREGPT_SENDER[x["role"]], "value": x["content"]} for x in m]}
+                          for m in talks],
+             "parts": [{"messages": [{"role": x["role"], "content": parts(x["content"], i)} for i, x in enumerate(m)]}
+                       for m in talks]}
+    paths = {}
+    for name, rows in forms.items():
+        paths[name] = folder / f"{name}.jsonl"
+        paths[name].write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return paths
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("packing", [True, False])
+def test_sharegpt_and_content_parts_train_exactly_as_the_same_messages(chat, tmp_path, packing):
+    """Token by token, every training and held-out row (input ids, labels, positions) of the
+    ShareGPT and content-parts files equals that of the same conversations written as messages
+    (a tool turn among them); and the assistant's tokens are those of the independent render."""
+    talks = synthetic_conversations(80)
+    for i in (0, 7, 31):  # a tool's answer inside the conversation
+        talks[i] = talks[i][:3] + [{"role": "tool", "content": "toy tool output."}] + talks[i][3:]
+    paths = chat_forms(tmp_path, talks)
+    built = {name: build(["--tokenizer_name_or_path", chat["tokenizer"], "--data_files", str(path),
+                          "--seq_len", str(SEQ), "--packing", str(packing).lower(), "--eval_fraction", "0.2"])
+             for name, path in paths.items()}
+    cfg, tokenizer, reference = built["messages"]
+    assert reference.kind == "conversations" and reference.facts["conversations"]["kept"] > 40
+    for name in ("sharegpt", "parts"):
+        other = built[name][2]
+        assert other.facts == reference.facts and len(other.train) == len(reference.train) > 0, name
+        for ours, theirs in ((other.train, reference.train), (other.held_out[""], reference.held_out[""])):
+            assert len(ours) == len(theirs)
+            for index in range(len(theirs)):
+                a, b = ours[index], theirs[index]
+                assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if k != "index"), (name, index)
+    # the normalised conversations are the messages themselves, and render as the template lays them out
+    source = formats.load_source(parse_train(["--tokenizer_name_or_path", chat["tokenizer"], "--data_files",
+                                              str(paths["sharegpt"]), "--seq_len", str(SEQ)]))
+    for row, messages in zip(source.train["row"], source.train["messages"]):
+        assert render.clean(messages) == talks[row]
+        assert render.by_markers(tokenizer, render.clean(messages)) == independent_render(tokenizer, talks[row])
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("row, message", [
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "Look."},
+                                                {"type": "image_url", "image_url": {"url": "x.png"}}]},
+                   {"role": "assistant", "content": "A cat."}]},
+     "message 0 has a content part 'image_url': only text parts"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "..."}}]},
+                   {"role": "assistant", "content": "Hello."}]},
+     "message 0 has a content part 'input_audio'"),
+    ({"conversations": [{"from": "human", "value": "Hi."}, {"from": "bing", "value": "Hello."}]},
+     "turn 1 is from 'bing': ShareGPT's senders read here are system, human, user, gpt, assistant, tool, observation"),
+])
+def test_a_row_that_cannot_be_read_is_one_line_naming_its_file_and_line(chat, tmp_path, row, message):
+    good = synthetic_conversations(60)
+    if "conversations" in row:
+        lines = [{"conversations": [{"from": SHAREGPT_SENDER[x["role"]], "value": x["content"]} for x in m]}
+                 for m in good]
+    else:
+        lines = [{"messages": m} for m in good]
+    lines[12] = row
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(ConfigError) as err:
+        build(["--tokenizer_name_or_path", chat["tokenizer"], "--data_files", str(path), "--seq_len", str(SEQ),
+               "--eval_fraction", "0.2"])
+    assert str(err.value).startswith(f"{path} line 13: {message}") and "\n" not in str(err.value)
 
 
 @pytest.mark.quick
@@ -174,7 +281,7 @@ def test_positions_restart_at_each_document_and_at_each_block():
 
 
 def restart(starts, begin, length):
-    return documents.restart_positions(starts, begin, length).tolist()
+    return packing.restart_positions(starts, begin, length).tolist()
 
 
 @pytest.mark.quick
@@ -194,7 +301,7 @@ def test_packed_text_blocks_carry_position_ids_only_with_the_document_mask():
 
 @pytest.mark.quick
 def test_streamed_blocks_carry_the_same_position_ids(tmp_path):
-    from train_extras.data_at_scale import StreamedBlocks
+    from train_extras.data.at_scale import StreamedBlocks
 
     cfg = parse_train(["--data_files", SYNTHETIC, "--seq_len", "64", "--streaming", "--eval_data_files", SYNTHETIC])
     tokenizer = build_tokenizer(cfg)
@@ -231,12 +338,12 @@ def test_a_model_that_cannot_keep_documents_apart_is_refused(family):
     model = AutoModelForCausalLM.from_config({**KEPT_APART, **NOT_KEPT_APART}[family]())
     accelerator = Accelerator(cpu=True)
     if family in KEPT_APART:
-        documents.check_kept_apart(model, accelerator, 100)
+        packing.check_kept_apart(model, accelerator, 100)
         assert model.training  # left as it was
     else:
         with pytest.raises(ConfigError, match=f"--document_mask: {type(model).__name__} does not keep packed "
                                               "documents apart by their position ids"):
-            documents.check_kept_apart(model, accelerator, 100)
+            packing.check_kept_apart(model, accelerator, 100)
 
 
 @pytest.mark.quick
@@ -290,6 +397,31 @@ def test_documents_are_drawn_by_weight(chat, tmp_path):
     other = mixed_sources(cfg, tokenizer)
     assert len(other) != len(order) or (other != order).any()
     assert set(built.held_out) == {"prose", "chat"} and built.kind == "mixed"
+    assert "mixture notice" not in assemble.describe(built.facts)  # chat: most of its documents drawn, none twice
+
+
+@pytest.mark.quick
+def test_a_source_repeated_or_cut_short_by_the_draw_gets_a_notice(tmp_path):
+    """A source of 3 documents beside 1,960 (its own held-out file): all_exhausted at weight 0.5%
+    draws it 7 times (each document repeated); first_exhausted at 50% ends the epoch after 9
+    documents, 6 of the 1,960. The setup block says so with the numbers."""
+    tiny = tmp_path / "tiny.jsonl"
+    tiny.write_text("".join(json.dumps({"text": f"tiny document number {i}. " * 10}) + "\n" for i in range(3)))
+    remedy = ": give the small sources more documents, or change the weights or the stopping_strategy"
+    cases = {("0.005", "all_exhausted"): ({"prose": 1960, "tiny": 7}, "'tiny' has 3 training documents and its "
+                                          "weight draws 7 of the epoch's 1967: each is repeated, 2.3 times an epoch "
+                                          "on average"),
+             ("0.5", "first_exhausted"): ({"prose": 6, "tiny": 3}, "'prose' has 1960 training documents and only 6 "
+                                          "are drawn an epoch (first_exhausted ends it when 'tiny' runs out)")}
+    for (weight, stopping), (drawn, notice) in cases.items():
+        spec = tmp_path / "mixture.yaml"
+        spec.write_text(f"sources:\n  - name: prose\n    data_files: {SYNTHETIC}\n    weight: 1\n"
+                        f"  - name: tiny\n    data_files: {tiny}\n    eval_data_files: {tiny}\n    weight: {weight}\n"
+                        f"stopping_strategy: {stopping}\n")
+        shares = build(["--data_mixture", str(spec), "--seq_len", "64"])[2].facts["mixture"]
+        assert {name: s["documents"] for name, s in shares.items()} == drawn
+        assert {name: s["available"] for name, s in shares.items()} == {"prose": 1960, "tiny": 3}
+        assert assemble.describe({"mixture": shares})["mixture notice"] == notice + remedy
 
 
 def mixed_sources(cfg, tokenizer) -> np.ndarray:
@@ -305,7 +437,7 @@ def mixed_sources(cfg, tokenizer) -> np.ndarray:
 
     datasets.interleave_datasets = spy
     try:
-        mixture.build(cfg, tokenizer)
+        assemble.build(cfg, tokenizer)
     finally:
         datasets.interleave_datasets = interleave
     return np.asarray(captured["mixed"]["source"])
@@ -350,7 +482,7 @@ def test_a_mixture_names_its_own_data_and_its_sources_are_checked(chat, tmp_path
     missing = write_mixture(tmp_path, tmp_path / "missing.jsonl")
     cfg = parse_train(["--data_mixture", missing, "--tokenizer_name_or_path", chat["tokenizer"]])
     with pytest.raises(ConfigError, match="--data_mixture source 'chat': data file not found: .*missing.jsonl"):
-        documents.build(cfg, build_tokenizer(cfg))
+        assemble.build(cfg, build_tokenizer(cfg))
 
 
 # ---- launched: conversations and a mixture, trained and resumed ----
@@ -385,7 +517,7 @@ def test_a_run_on_conversations_learns_resumes_exactly_and_samples_an_answer(cha
     check_exact_resume(full, resumed, 20)
     sample = summary["samples"][-1]
     tokenizer = AutoTokenizer.from_pretrained(chat["tokenizer"])
-    assert sample["prompt"] == conversations.sample_prompt(tokenizer, summary["setup"]["options"]["sample_message"])
+    assert sample["prompt"] == render.sample_prompt(tokenizer, summary["setup"]["options"]["sample_message"])
     assert sample["prompt"].endswith("<|assistant|>\n")
     # the export keeps the template, so the exported folder renders conversations as the run did
     exported = AutoTokenizer.from_pretrained(summary["export"])
@@ -435,9 +567,9 @@ def test_an_edited_mixture_is_refused_on_resume(mixture_runs, chat, tmp_path):
     full, _, spec = mixture_runs
     saved = checkpoint.verify(full.output_dir / "checkpoints" / "step_20", contents=False)
     cfg = parse_train(["--data_mixture", spec])
-    checkpoint.check_same_data(tmp_path, saved, {**saved["data"], "mixture": mixture.identity(cfg)})
+    checkpoint.check_same_data(tmp_path, saved, {**saved["data"], "mixture": sources.identity(cfg)})
     edited = write_mixture(tmp_path, chat["data"], weights=(0.7, 0.3))
-    edited_identity = mixture.identity(parse_train(["--data_mixture", edited]))
+    edited_identity = sources.identity(parse_train(["--data_mixture", edited]))
     with pytest.raises(ConfigError, match="its data mixture was another"):
         checkpoint.check_same_data(tmp_path, saved, {**saved["data"], "mixture": edited_identity})
 

@@ -195,3 +195,23 @@ def test_train_extras_has_no_import_cycles():
         visit(module, [])
     assert {"train_extras.resume.checkpoint", "train_extras.observe.run_record",
             "train_extras.parallel.fsdp_settings", "train_extras.parallel.deepspeed_settings"} <= modules
+
+
+DATA_FLOW = ("sources", "formats", "render", "packing", "assemble", "at_scale")
+
+
+def test_the_data_room_takes_only_from_the_files_before_it():
+    """train_extras/data/ (docs/data.md): each file imports the room's files before it in the data
+    flow, at its top (no import inside a function, where a circle would hide), and none after it."""
+    room = ROOT / "train_extras" / "data"
+    assert sorted(p.stem for p in room.glob("*.py")) == sorted(("__init__", *DATA_FLOW))
+    for i, name in enumerate(DATA_FLOW):
+        tree = ast.parse((room / f"{name}.py").read_text())
+        top = {id(node) for node in tree.body}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("train_extras"):
+                assert id(node) in top, f"{name}.py imports {node.module} inside a function"
+                module = node.module.split(".")
+                taken = ({a.name for a in node.names} if node.module == "train_extras.data" else
+                         set(module[2:3]) if module[:2] == ["train_extras", "data"] else set())
+                assert taken <= set(DATA_FLOW[:i]), f"{name}.py takes {sorted(taken)} (after it in the flow)"

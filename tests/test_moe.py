@@ -17,7 +17,8 @@ from common import data
 from common.config import ConfigError
 from conftest import SYNTHETIC, TWO_CPU_PROCESSES, TWO_PROCESS_LAUNCH, Run, check_export_reproduces_model, launch
 from test_seams_moe import expert_counts, load_of
-from train_extras import documents, moe
+from train_extras import moe
+from train_extras.data import assemble
 from train_extras.options import TrainConfig
 from train_extras.parallel.pipeline import check_micro_batches, check_pipeline_layout
 
@@ -126,7 +127,7 @@ def packed_train_set(moe_models, tmp_path_factory):
     cfg = TrainConfig(data_files=[SYNTHETIC], seq_len=64, tokenizer_name_or_path=str(moe_models["tokenizer"]))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path_factory.mktemp("moe_datasets"))
-        return documents.build(cfg, data.build_tokenizer(cfg)).train
+        return assemble.build(cfg, data.build_tokenizer(cfg)).train
 
 
 @pytest.mark.parametrize("family, config", [run for run in RUNS if run[1] != "cpu.yaml"])

@@ -37,7 +37,8 @@ from common.export import export_pretrained
 from conftest import SYNTHETIC, TRAIN_ARGS, check_resumed_losses, load_recipe, parse_train, read_summary
 from probes.sitecustomize import PROBE_INPUT_IDS
 from synthetic import synthetic_documents
-from train_extras import chunked_loss, mixture
+from train_extras import chunked_loss
+from train_extras.data import assemble
 from train_extras.options import TrainConfig
 from train_extras.resume import checkpoint, output_dir, preemption
 
@@ -123,7 +124,7 @@ def test_a_mixture_scores_each_source_on_its_own_held_out_rows(tmp_path, in_proc
     held_out_docs = {"given": given_eval_docs, "cut": cut["test"]["text"]}
     set_seed(0)
     model = modeling.build_model(cfg, len(tokenizer)).eval()
-    result = mixture.evaluate(model, prepared.eval_loaders, accelerator)
+    result = assemble.evaluate(model, prepared.eval_loaders, accelerator)
     expected_sum = expected_tokens = 0
     for name, docs in held_out_docs.items():
         blocks, positions = hand_blocks(tokenizer, docs, MIX_SEQ)

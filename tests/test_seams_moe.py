@@ -30,7 +30,8 @@ from transformers import AutoModelForCausalLM, MixtralConfig
 from common import data
 from conftest import load_recipe, parse_train
 from synthetic import synthetic_documents
-from train_extras import documents, moe
+from train_extras import moe
+from train_extras.data import assemble
 from train_extras.options import TrainConfig
 from train_extras.resume import output_dir as run_folder
 
@@ -80,7 +81,7 @@ def seam_run(tmp_path_factory):
                 os.close(fd)
         cfg = parse_train(options)
         tokenizer = data.build_tokenizer(cfg)
-        built = documents.build(cfg, tokenizer)
+        built = assemble.build(cfg, tokenizer)
         loader = data.build_loaders(cfg, built.train, built.held_out[""], pin_memory=False, data_ranks=1)[0]
         batches = iter(loader)  # epoch 0's order, as train.py draws it
         micro_batches = [next(batches) for _ in range(STEPS * ACCUMULATION)]

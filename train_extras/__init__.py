@@ -2,7 +2,9 @@
 capability:
 
     options.py       train.py's options: the core groups plus its own, checked in a written order
-    data_at_scale.py waiting for rank 0's tokenising (--data_timeout), --streaming
+    data/            what train.py reads, one file per step of the data flow: sources, formats
+                     (messages, ShareGPT, OpenAI parts), render (chat template, trained mask),
+                     packing (document masks), assemble (one source or a mixture), at_scale
     resume/          checkpoints (save, verify, resume rules), the output folder, preemption
     observe/         the run's record (run_summary.json, metrics.jsonl, trackers, log lines),
                      throughput/MFU/memory, FLOPs, secrets kept from trackers, a sample of text

@@ -148,14 +148,15 @@ class DataAtScaleOptions:
 @dataclass
 class DocumentOptions:
     """What a training document is: text or a conversation, packed apart from its neighbours, from
-    one source or a mixture (train_extras/documents.py, conversations.py, mixture.py)."""
+    one source or a mixture (train_extras/data/)."""
     chat_column: str | None = field(
-        default=None, metadata={"help": "Column of conversations (lists of {role, content} messages), rendered by "
+        default=None, metadata={"help": "Column of conversations (lists of {role, content} messages, content a "
+                                        "string or OpenAI text parts; or ShareGPT {from, value} turns), rendered by "
                                         "the tokenizer's chat template with the loss on the assistant's tokens only. "
                                         "Default: a column of that shape, if the data has one."})
     chat_template: str | None = field(
         default=None, metadata={"help": "A Jinja chat template file, for a tokenizer without one (or to replace its "
-                                        "own); the export keeps it."})
+                                        "own); the export keeps it. Refused for data that holds text only."})
     overlong: Literal["drop", "truncate"] = field(
         default="drop", metadata={"help": "A conversation longer than --seq_len + 1 tokens: left out, or cut to it "
                                           "(either is counted in the setup block)."})
@@ -177,13 +178,13 @@ class DocumentOptions:
         if self.chat_template and not os.path.isfile(self.chat_template):
             raise ConfigError(f"chat template file not found: {self.chat_template}")
         if self.data_mixture:
-            from train_extras import mixture
+            from train_extras.data import sources
 
-            given = [f"--{name}" for name in mixture.SOURCE_OPTIONS
+            given = [f"--{name}" for name in sources.SOURCE_OPTIONS
                      if getattr(self, name) != self.__dataclass_fields__[name].default]
             if given:
                 raise ConfigError(f"--data_mixture names its sources' data options itself: not with {', '.join(given)}")
-            mixture.read(self.data_mixture)
+            sources.read(self.data_mixture)
         if self.streaming and (self.data_mixture or self.chat_column or self.chat_template):
             raise ConfigError("--streaming streams text from one source: not with --data_mixture, --chat_column or "
                               "--chat_template")

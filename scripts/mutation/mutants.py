@@ -322,7 +322,7 @@ MUTANTS: list[Mutant] = [
     # ---- documents: masks, conversations, mixtures, held-out data ----
     Mutant(
         id="doc-positions-no-block-restart",
-        file="train_extras/documents.py",
+        file="train_extras/data/packing.py",
         old="return offsets - np.maximum(document_start, begin)",
         new="return offsets - document_start",
         what="a document carried over into the next block does not start that block at position 0",
@@ -330,7 +330,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         id="doc-positions-block-offset",
-        file="train_extras/documents.py",
+        file="train_extras/data/packing.py",
         old="begin = index * (self.seq_len + 1)",
         new="begin = index * self.seq_len",
         what="a block's position ids are computed at the wrong stream offset (blocks are seq_len + 1 long)",
@@ -338,7 +338,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         id="assistant-labels-off-by-one",
-        file="train_extras/documents.py",
+        file="train_extras/data/packing.py",
         old="labels[torch.from_numpy(self.targets[index][1:] == 0)] = -100",
         new="labels[torch.from_numpy(self.targets[index][:-1] == 0)] = -100",
         what="packed conversations mask the labels by the input token's role, one position off",
@@ -346,7 +346,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         id="assistant-prefix-off-by-one",
-        file="train_extras/conversations.py",
+        file="train_extras/data/render.py",
         old="mask[len(before): len(through)] = [1] * (len(through) - len(before))",
         new="mask[len(before) - 1: len(through) - 1] = [1] * (len(through) - len(before))",
         what="the prefix-difference reading of the assistant's tokens starts one token early",
@@ -354,7 +354,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         id="mixture-weights-by-name",
-        file="train_extras/mixture.py",
+        file="train_extras/data/assemble.py",
         old='weights = np.array([s["weight"] for s in spec["sources"]])',
         new='weights = np.array([s["weight"] for s in sorted(spec["sources"], key=lambda s: s["name"])])',
         what="the mixture's weights are taken in name order while the sources stay in file order (weights swapped)",
@@ -371,9 +371,9 @@ MUTANTS: list[Mutant] = [
     # ---- evaluation and metrics ----
     Mutant(
         id="eval-mixture-mean-of-means",
-        file="train_extras/mixture.py",
-        old='loss = sum(r["loss"] * r["tokens"] for r in sources.values()) / tokens if tokens else float("nan")',
-        new='loss = sum(r["loss"] for r in sources.values()) / len(sources) if tokens else float("nan")',
+        file="train_extras/data/assemble.py",
+        old='loss = sum(r["loss"] * r["tokens"] for r in scores.values()) / tokens if tokens else float("nan")',
+        new='loss = sum(r["loss"] for r in scores.values()) / len(scores) if tokens else float("nan")',
         what="a mixture's held-out loss is the mean of the sources' means, not the token mean over all of them",
         tests=(DOCS + "test_a_mixture_logs_each_sources_held_out_loss_and_resumes_exactly",),
     ),
@@ -454,9 +454,9 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         id="seam-mixture-eval-on-train-rows",
-        file="train_extras/mixture.py",
-        old="held_out[name] = documents.as_dataset(evaluated, tokenizer, cfg)",
-        new="held_out[name] = documents.as_dataset(train, tokenizer, cfg)",
+        file="train_extras/data/assemble.py",
+        old="held_out[name] = packing.as_dataset(evaluated, tokenizer, cfg)",
+        new="held_out[name] = packing.as_dataset(train, tokenizer, cfg)",
         what="a mixture's per-source eval scores the source's training rows, not its held-out rows",
         tests=("tests/test_seams.py::test_a_mixture_scores_each_source_on_its_own_held_out_rows",),
     ),

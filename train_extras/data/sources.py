@@ -1,4 +1,6 @@
-"""A mixture of sources for train.py (--data_mixture FILE.yaml; docs/data.md#mixtures).
+"""Where train.py's documents come from (docs/data.md): the files, folders, globs or Hub dataset of
+the data options (read by common/data.py), where a row of them lies in its file, and a mixture of
+such sources (--data_mixture FILE.yaml; docs/data.md#mixtures):
 
     sources:
       - name: prose                 # optional: default the first file's stem, or the dataset's name
@@ -12,13 +14,7 @@
 
 Each source takes the data options of one source (SOURCE_OPTIONS; relative paths from the
 working directory, as on the command line) and keeps its own held-out part, cut or given by its
-own options. Training documents are drawn from the sources by weight with the run's seed
-(datasets' interleave_datasets over the tokenised sources: a fixed order of documents, packed and
-shuffled by block as one source is, so resume is exact as it is for one source). The weights are
-shares of documents, not of tokens. first_exhausted stops the epoch when a source runs out (no
-document repeats); all_exhausted goes on until each has been drawn whole (the smaller ones repeat).
-Evaluation scores each source's held-out part apart (eval/<name>/loss) and, as the mixture's
-loss, all of them together (the token mean over every source's held-out tokens).
+own options. The draw by weight is build.py's (it draws tokenised documents).
 """
 
 from __future__ import annotations
@@ -29,9 +25,7 @@ import math
 import os
 from pathlib import Path
 
-import numpy as np
-
-from common import model as modeling
+from common import data
 from common.config import ConfigError, data_file_list
 
 SOURCE_OPTIONS = ("data_files", "eval_data_files", "dataset_name", "dataset_config", "dataset_split", "eval_split",
@@ -116,60 +110,26 @@ def identity(cfg) -> dict:
     return spec
 
 
-def build(cfg, tokenizer, num_proc: int | None = None):
-    """The mixture's training set (documents drawn by weight, then packed) and each source's held-out set."""
+def locate(cfg, held_out: bool, row: int) -> str:
+    """Where row `row` (0-based, in the order datasets read the source's files) lies, for error
+    lines: "chat.jsonl line 7" (JSON Lines: blank lines are no rows), "data.csv row 3" (other
+    files: the data rows, from 1), "org/set (train) row 12" (the Hub). Counts rows only when called."""
     import datasets
 
-    from train_extras import documents
-
-    spec = read(cfg.data_mixture)
-    trains, held_out, kinds, fates = [], {}, [], {}
-    for i, source in enumerate(spec["sources"]):
-        name, source_cfg = source["name"], source_config(cfg, source)
-        loaded = documents.load_source(source_cfg)
-        train, train_fates = documents.tokenize(loaded.train, loaded.kind, tokenizer, source_cfg, f"train {name}",
-                                                num_proc)
-        evaluated, _ = documents.tokenize(loaded.held_out, loaded.kind, tokenizer, source_cfg, f"eval {name}",
-                                          num_proc)
-        held_out[name] = documents.as_dataset(evaluated, tokenizer, cfg)
-        trains.append(train.map(lambda batch, i=i: {"source": [i] * len(batch["length"])}, batched=True,
-                                desc=f"mark {name}"))
-        kinds.append(loaded.kind)
-        if train_fates:
-            fates[name] = train_fates
-    if "conversations" in kinds:  # a text source's every token is a target
-        trains = [ds if "targets" in ds.column_names else
-                  ds.map(lambda batch: {"targets": [[1] * n for n in batch["length"]]}, batched=True, desc="targets")
-                  for ds in trains]
-    features = trains[0].features
-    trains = [ds if ds.features == features else ds.cast(features) for ds in trains]
-    weights = np.array([s["weight"] for s in spec["sources"]])
-    mixed = datasets.interleave_datasets(trains, probabilities=(weights / weights.sum()).tolist(), seed=cfg.seed,
-                                         stopping_strategy=spec["stopping_strategy"])
-    drawn = np.bincount(np.asarray(mixed["source"], dtype=np.int64), minlength=len(trains))
-    shares = {s["name"]: {"weight": s["weight"] / weights.sum(), "documents": int(n), "available": len(ds),
-                          "share": int(n) / max(int(drawn.sum()), 1)}
-              for s, n, ds in zip(spec["sources"], drawn, trains)}
-    kind = kinds[0] if len(set(kinds)) == 1 else "mixed"
-    result = documents.Datasets(documents.as_dataset(mixed.remove_columns("source"), tokenizer, cfg), held_out, kind,
-                                {"mixture": shares, **({"conversations": fates} if fates else {})})
-    documents.check_not_empty(cfg, result.train, result.held_out)
-    return result
-
-
-def describe(shares: dict) -> str:
-    """The setup block's line: each source's share of the documents drawn, and of what it has."""
-    return "; ".join(f"{name} {s['share']:.1%} of {sum(x['documents'] for x in shares.values())} documents "
-                     f"(weight {s['weight']:.1%}; {s['documents']}/{s['available']} drawn)"
-                     for name, s in shares.items())
-
-
-def evaluate(model, loaders: dict, accelerator, max_batches: int = 0) -> dict:
-    """common.model.evaluate on each source's held-out loader; the mixture's loss is their token mean.
-    One source ({"": loader}): its result as it is."""
-    if list(loaders) == [""]:
-        return modeling.evaluate(model, loaders[""], accelerator, max_batches)
-    sources = {name: modeling.evaluate(model, loader, accelerator, max_batches) for name, loader in loaders.items()}
-    tokens = sum(r["tokens"] for r in sources.values())
-    loss = sum(r["loss"] * r["tokens"] for r in sources.values()) / tokens if tokens else float("nan")
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens, "sources": sources}
+    given = cfg.eval_data_files if held_out else cfg.data_files
+    if not given:
+        return f"{cfg.dataset_name} ({cfg.eval_split if held_out else cfg.dataset_split}) row {row + 1}"
+    for path in data_file_list(given):
+        if path.endswith(".jsonl"):
+            with open(path, "rb") as f:
+                lines = [number for number, line in enumerate(f, 1) if line.strip()]
+            if row < len(lines):
+                return f"{path} line {lines[row]}"
+            row -= len(lines)
+            continue
+        builder, kwargs = data.file_builder([path], cfg.txt_documents)
+        count = len(datasets.load_dataset(builder, data_files=[path], split="train", **kwargs))
+        if row < count:
+            return f"{path} row {row + 1}"
+        row -= count
+    return f"{', '.join(given)} row {row + 1}"

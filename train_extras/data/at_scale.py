@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from common import data
 from common.config import ConfigError, TrainingError, data_file_list, one_line, same_on_every_rank
+from train_extras.data import packing
 
 SHUFFLE_BUFFER = 10_000  # documents; datasets' default is 1000
 
@@ -59,11 +60,9 @@ def main_process_first(accelerator, timeout_s: int):
 
 def held_out_set(cfg, tokenizer):
     """The held-out blocks of a streamed run: its own split or files, tokenised up front (they are
-    small), as train.py's other held-out sets (documents.DocumentBlocks: masked with --document_mask)."""
-    from train_extras import documents
-
+    small), as train.py's other held-out sets (packing.DocumentBlocks: masked with --document_mask)."""
     docs = data.load_documents(cfg, held_out=True)
-    return documents.as_dataset(data.tokenize_documents(docs, tokenizer, "eval", cfg, cfg.dataset_num_proc),
+    return packing.as_dataset(data.tokenize_documents(docs, tokenizer, "eval", cfg, cfg.dataset_num_proc),
                                 tokenizer, cfg)
 
 
@@ -103,12 +102,13 @@ class StreamedBlocks(IterableDataset):
                 raise ConfigError(f"streamed rows have no column {cfg.text_column!r} (columns: {sorted(row)}); "
                                   "set --text_column")
             text = row[cfg.text_column]
+            if text is not None and not isinstance(text, str):
+                raise ConfigError(f"{', '.join(cfg.data_files or [cfg.dataset_name])}: column {cfg.text_column!r} "
+                                  f"holds {type(text).__name__} values, not text: set --text_column")
             if isinstance(text, str) and text.strip():  # empty and null texts are no documents, as when not streamed
                 yield text
 
     def __iter__(self):
-        from train_extras.documents import restart_positions
-
         block_len, pending, starts, made = self.cfg.seq_len + 1, [], [], 0  # starts: of documents, in pending
         for text in self.documents():
             starts.append(len(pending))
@@ -116,8 +116,8 @@ class StreamedBlocks(IterableDataset):
             while len(pending) >= block_len:
                 block = torch.from_numpy(np.asarray(pending[:block_len], dtype=np.int64))
                 item = {"input_ids": block[:-1], "labels": block[1:], "index": self.rank + self.world_size * made}
-                if self.cfg.document_mask:  # as documents.DocumentBlocks: positions restart at each document
-                    positions = restart_positions(np.asarray(starts, dtype=np.int64), 0, block_len - 1)
+                if self.cfg.document_mask:  # as packing.DocumentBlocks: positions restart at each document
+                    positions = packing.restart_positions(np.asarray(starts, dtype=np.int64), 0, block_len - 1)
                     item["position_ids"] = torch.from_numpy(positions)
                 del pending[:block_len]
                 starts = [0] + [start - block_len for start in starts if start > block_len]

@@ -1,5 +1,6 @@
-"""Conversations for train.py (docs/data.md#conversations): a column of messages ({role, content}
-each) rendered by the tokenizer's chat template, with the loss on the assistant's tokens only.
+"""Examples -> token ids and a trained mask (docs/data.md#conversations): text between its bounds
+(common/data.py), or conversations (formats.py's messages) rendered by the tokenizer's chat template
+with the loss on the assistant's tokens only.
 
 Which tokens are the assistant's: where the template marks them ({% generation %} ... {% endgeneration %},
 read by transformers' return_assistant_tokens_mask), else by rendering the conversation's prefixes
@@ -18,7 +19,9 @@ from pathlib import Path
 import jinja2
 import numpy as np
 
+from common import data
 from common.config import ConfigError, one_line
+from train_extras.data import formats
 
 GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # What happened to each conversation, counted in the setup block and run_summary.json.
@@ -26,54 +29,32 @@ KEPT, TRUNCATED, DROPPED_OVERLONG, DROPPED_NO_ASSISTANT = range(4)
 FATES = ("kept", "truncated", "dropped_overlong", "dropped_no_assistant_token")
 
 
-def apply_template_file(cfg, tokenizer) -> None:
-    """--chat_template FILE replaces (or supplies) the tokenizer's template; the export keeps it. A
-    template that does not parse is one error line here, before any data is read."""
-    if cfg.chat_template:
-        from transformers.utils.chat_template_utils import _compile_jinja_template  # as apply_chat_template does
-
-        text = Path(cfg.chat_template).read_text()
-        try:
-            _compile_jinja_template(text)
-        except jinja2.TemplateSyntaxError as err:
-            raise ConfigError(f"--chat_template {cfg.chat_template} is not a Jinja template: line {err.lineno}: "
-                              f"{err.message}") from None
-        tokenizer.chat_template = text
-
-
-def is_messages(feature) -> bool:
-    """A column of conversations: a list of structs with at least `role` and `content`."""
-    import datasets
-
-    inner = getattr(feature, "feature", None)
-    return (isinstance(feature, (datasets.List, datasets.LargeList)) and isinstance(inner, dict)
-            and {"role", "content"} <= set(inner))
-
-
-def find_column(rows, given: str | None, source: str, text_column: str = "text") -> str | None:
-    """--chat_column, else (when the rows have no --text_column column: that one is text, as before)
-    the first column shaped like conversations, else None (text)."""
-    if given is not None:
-        if given not in rows.column_names:
-            raise ConfigError(f"{source}: no column {given!r} (has {rows.column_names}); set --chat_column")
-        if not is_messages(rows.features[given]):
-            raise ConfigError(f"{source}: column {given!r} is not a list of {{role, content}} messages "
-                              f"({rows.features[given]})")
-        return given
-    if text_column in rows.column_names:
+def read_template_file(cfg) -> str | None:
+    """--chat_template FILE's text, checked: a template that does not parse is one error line here,
+    before any data is read."""
+    if not cfg.chat_template:
         return None
-    return next((name for name in rows.column_names if is_messages(rows.features[name])), None)
+    from transformers.utils.chat_template_utils import _compile_jinja_template  # as apply_chat_template does
+
+    text = Path(cfg.chat_template).read_text()
+    try:
+        _compile_jinja_template(text)
+    except jinja2.TemplateSyntaxError as err:
+        raise ConfigError(f"--chat_template {cfg.chat_template} is not a Jinja template: line {err.lineno}: "
+                          f"{err.message}") from None
+    return text
 
 
-def documents(rows, column: str, source: str):
-    """The conversations of `column` as one column 'messages' (empty ones left out)."""
-    ds = rows.select_columns([column])
-    if column != "messages":
-        ds = ds.rename_column(column, "messages")
-    ds = ds.filter(lambda batch: [bool(m) for m in batch["messages"]], batched=True)
-    if len(ds) == 0:
-        raise ConfigError(f"dataset is empty (no conversation with a message): {source}")
-    return ds
+def apply_template(cfg, template: str | None, tokenizer, kind: str) -> None:
+    """The template file replaces (or supplies) the tokenizer's, and the export keeps it: only when
+    the data holds conversations. On text it would render nothing and still ship with the model."""
+    if template is None:
+        return
+    if kind == "text":
+        raise ConfigError(f"--chat_template {cfg.chat_template} renders conversations, and the data holds text only "
+                          "(no column of messages or ShareGPT turns was found): drop --chat_template, or name "
+                          "the conversations' column with --chat_column")
+    tokenizer.chat_template = template
 
 
 def check_template(tokenizer, source: str) -> None:
@@ -113,7 +94,15 @@ def by_prefixes(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
     return ids, mask
 
 
-def tokenize(docs, tokenizer, cfg, name: str, num_proc: int | None = None):
+def tokenize(docs, kind: str, tokenizer, cfg, name: str, num_proc: int | None, where):
+    """(tokenised examples: input_ids, length and, for conversations, targets; conversations' fates).
+    where(row): the place of a conversation's row in its files, for an error line."""
+    if kind == "conversations":
+        return render_conversations(docs, tokenizer, cfg, name, num_proc, where)
+    return data.tokenize_documents(docs, tokenizer, name, cfg, num_proc), None
+
+
+def render_conversations(docs, tokenizer, cfg, name: str, num_proc: int | None, where):
     """Conversations as (input_ids, targets: 1 on the assistant's tokens, length), cached by
     `datasets`; returns them and the count of each fate (FATES)."""
     check_template(tokenizer, name)
@@ -121,14 +110,14 @@ def tokenize(docs, tokenizer, cfg, name: str, num_proc: int | None = None):
     read = by_markers if markers else by_prefixes
     limit, truncate = cfg.seq_len + 1, cfg.overlong == "truncate"
 
-    def render(batch, indices):
+    def render(batch):
         out = {"input_ids": [], "targets": [], "length": [], "fate": []}
-        for index, messages in zip(indices, batch["messages"]):
+        for row, messages in zip(batch["row"], batch["messages"]):
             try:
                 ids, mask = read(tokenizer, clean(messages))
             except jinja2.TemplateError as err:  # e.g. the template's raise_exception("roles must alternate")
-                raise ConfigError(f"the chat template cannot render {name} conversation {index}: "
-                                  f"{one_line(err, 200)}") from None
+                raise formats.RowError(row, f"the chat template cannot render this conversation: "
+                                            f"{one_line(err, 200)}") from None
             fate = KEPT
             if len(ids) > limit:
                 fate = TRUNCATED if truncate else DROPPED_OVERLONG
@@ -139,8 +128,11 @@ def tokenize(docs, tokenizer, cfg, name: str, num_proc: int | None = None):
                 out[key].append(value)
         return out
 
-    rendered = docs.map(render, batched=True, with_indices=True, remove_columns=docs.column_names, num_proc=num_proc,
-                        desc=f"render {name} conversations")
+    try:
+        rendered = docs.map(render, batched=True, remove_columns=docs.column_names, num_proc=num_proc,
+                            desc=f"render {name} conversations")
+    except formats.RowError as err:
+        raise formats.named(where, err) from None
     fates = np.bincount(np.asarray(rendered["fate"], dtype=np.int64), minlength=len(FATES))
     kept = rendered.filter(lambda batch: [f in (KEPT, TRUNCATED) for f in batch["fate"]], batched=True)
     counts = dict(zip(FATES, fates.tolist()))

@@ -1,5 +1,6 @@
-"""train.py's datasets (docs/data.md): text or conversations (train_extras/conversations.py), packed
-with document masks or one per row, from one source or a mixture (train_extras/mixture.py).
+"""Tokenised examples -> the rows the loader yields (docs/data.md): packed into blocks of seq_len + 1
+tokens with document masks, or one example per row; conversations' labels only on the assistant's
+tokens (render.py's targets).
 
 Document masks (--document_mask, on by default when packing). A packed block holds the end of one
 document and the start of the next; without a mask every token attends to every earlier token of
@@ -13,16 +14,14 @@ document (its EOS) still predicts the first of the next, as without a mask.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 
 from common import data
 from common.config import ConfigError
-from train_extras import conversations, model_probe
+from train_extras import model_probe
 
 
 def restart_positions(starts: np.ndarray, begin: int, length: int) -> np.ndarray:
@@ -68,46 +67,6 @@ class DocumentRows(data.PaddedDocuments):
         return item
 
 
-@dataclasses.dataclass
-class Source:
-    """One source's documents, split: text ('text' column) or conversations ('messages')."""
-    train: object
-    held_out: object
-    kind: str  # "text" or "conversations"
-
-
-def load(cfg, held_out: bool = False):
-    """(documents, kind) of the source the data options name (tiny Shakespeare when none)."""
-    rows, source = data.load_rows(cfg, held_out)
-    if rows is None:
-        return data.load_documents(cfg, held_out), "text"
-    column = conversations.find_column(rows, cfg.chat_column, source, cfg.text_column)
-    if column is not None:
-        return conversations.documents(rows, column, source), "conversations"
-    return data.text_documents(rows, cfg.text_column, source), "text"
-
-
-def load_source(cfg) -> Source:
-    docs, kind = load(cfg)
-    loaded = {}
-
-    def held_out_docs(cfg, held_out):  # its own held-out files or split: the same kind, or refused
-        loaded["docs"], loaded["kind"] = load(cfg, held_out)
-        return loaded["docs"]
-
-    split = data.split_documents(cfg, docs, load=held_out_docs)
-    if loaded and loaded["kind"] != kind:
-        raise ConfigError(f"the training data holds {kind} and the held-out data {loaded['kind']}: give one kind")
-    return Source(split["train"], split["test"], kind)
-
-
-def tokenize(docs, kind: str, tokenizer, cfg, name: str, num_proc: int | None):
-    """(tokenised documents: input_ids, length and, for conversations, targets; conversations' fates)."""
-    if kind == "conversations":
-        return conversations.tokenize(docs, tokenizer, cfg, name, num_proc)
-    return data.tokenize_documents(docs, tokenizer, name, cfg, num_proc), None
-
-
 def streams(tokenized, tokenizer):
     """The token stream (common.data's, on disk), the documents' start offsets and, for
     conversations, the 0/1 targets stream beside it (on disk too)."""
@@ -139,55 +98,6 @@ def check_not_empty(cfg, train, held_out: dict) -> None:
     for name, ds in named:
         if len(ds) == 0:
             raise ConfigError(f"the {name} split has fewer than seq_len+1={cfg.seq_len + 1} tokens")
-
-
-@dataclasses.dataclass
-class Datasets:
-    train: Dataset
-    held_out: dict  # {source name: dataset}; one source: {"": dataset}
-    kind: str  # "text", "conversations" or "mixed"
-    facts: dict  # conversations' fates, a mixture's shares: the setup block and run_summary.json
-
-
-def build(cfg, tokenizer, num_proc: int | None = None) -> Datasets:
-    """Training and held-out datasets of the data options, or of --data_mixture's sources."""
-    conversations.apply_template_file(cfg, tokenizer)
-    if cfg.data_mixture:
-        from train_extras import mixture
-
-        return mixture.build(cfg, tokenizer, num_proc)
-    source = load_source(cfg)
-    train, fates = tokenize(source.train, source.kind, tokenizer, cfg, "train", num_proc)
-    held_out, _ = tokenize(source.held_out, source.kind, tokenizer, cfg, "eval", num_proc)
-    datasets = Datasets(as_dataset(train, tokenizer, cfg), {"": as_dataset(held_out, tokenizer, cfg)}, source.kind,
-                        {"conversations": fates} if fates else {})
-    check_not_empty(cfg, datasets.train, datasets.held_out)
-    return datasets
-
-
-def describe(facts: dict) -> dict:
-    """Lines for the setup block: what happened to the conversations, and a mixture's shares."""
-    from train_extras import mixture
-
-    lines = {}
-    for name, fates in facts.get("conversations", {}).items() if "mixture" in facts else (
-            [("", facts["conversations"])] if "conversations" in facts else []):
-        lines["conversations" + (f" ({name})" if name else "")] = conversations.describe(fates)
-    if "mixture" in facts:
-        lines["mixture"] = mixture.describe(facts["mixture"])
-    return lines
-
-
-def identity(cfg, tokenizer, kind: str) -> dict:
-    """Beyond the files (resume/checkpoint.data_identity): the chat template that rendered
-    conversations (its SHA-256) and what a mixture resolves to; a resume compares both."""
-    import hashlib
-
-    from train_extras import mixture
-
-    template = tokenizer.chat_template if kind != "text" and isinstance(tokenizer.chat_template, str) else None
-    return {"chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if template else None,
-            "mixture": mixture.identity(cfg) if cfg.data_mixture else None}
 
 
 def check_kept_apart(model, accelerator, vocab_size: int) -> None:
