@@ -44,6 +44,7 @@ and gradient norms stay on the device until the log interval fetches them all at
 """
 
 import dataclasses
+import os
 import sys
 from datetime import timedelta
 
@@ -57,10 +58,9 @@ from common import config, data, guard
 from common import model as modeling
 from common.export import export_pretrained
 from train_extras import chunked_loss, conversations, data_at_scale, documents, mixture, moe, muon
-from train_extras.observe import flops, metrics, run_record
+from train_extras.observe import flops, metrics, run_record, tracking
 from train_extras.observe.run_record import RunRecord
 from train_extras.observe.sampling import sample_text
-from train_extras.observe.tracking import redact
 from train_extras.options import TrainConfig
 from train_extras.parallel import cpu_threads, deepspeed_settings, fsdp_settings, tensor_parallel
 from train_extras.resume import checkpoint, output_dir, preemption
@@ -104,6 +104,7 @@ def main(argv=None):
 def configure(argv):
     """The options, and every check that needs no Accelerator; the process set up to train."""
     cfg = config.parse(TrainConfig, argv, recipe="train.py")
+    tracking.warn_command_line(sys.argv[1:] if argv is None else argv, os.environ.get("RANK", "0") == "0")
     modeling.check_seq_len(cfg)
     tensor_parallel.check_launch_sizes("train.py")  # the process count, before the mesh exists
     cpu_threads.use_available_cores()  # accelerate's default for one CPU process is one thread
@@ -218,8 +219,9 @@ def prepare_data(cfg, accelerator, tokenizer, facts: ModelFacts, resume_path,
         else:  # text or conversations, from one source or a mixture
             built = documents.build(cfg, tokenizer, num_proc=cfg.dataset_num_proc)
     train_set, eval_sets = built.train, built.held_out
-    identity = {**checkpoint.data_identity(cfg, None if cfg.streaming else len(train_set)),
-                **documents.identity(cfg, tokenizer, built.kind)}
+    identity = tracking.redact_strings({  # kept in checkpoints: a token in a path is not
+        **checkpoint.data_identity(cfg, None if cfg.streaming else len(train_set)),
+        **documents.identity(cfg, tokenizer, built.kind)})
     if resume_meta is not None and not cfg.eval_only:  # a file rewritten in place
         checkpoint.check_same_data(resume_path, resume_meta, identity)
     pin_memory = accelerator.device.type == "cuda"
@@ -240,7 +242,7 @@ def start_record(cfg, accelerator, train_data: TrainData, facts: ModelFacts) -> 
     """The run's record, and the setup block, printed once the data is known to be good (bad
     input stays a one-line error). Logs get copied around: the options are printed and recorded
     with secrets removed, as trackers get them."""
-    setup = config.setup_facts(cfg, accelerator, options=redact(dataclasses.asdict(cfg)))
+    setup = config.setup_facts(cfg, accelerator, options=tracking.redact(dataclasses.asdict(cfg)))
     peak = metrics.peak_flops(accelerator)  # per device, for MFU (measured on a CPU: ~0.7 s)
     train_set, eval_sets = train_data.train_set, train_data.eval_sets
     eval_count = sum(len(eval_set) for eval_set in eval_sets.values())
@@ -329,7 +331,7 @@ def build(cfg, accelerator, tokenizer, train_data: TrainData, facts: ModelFacts,
     record.model(parameters, active, metrics.compiled_regions(model))
     setup = record.summary["setup"]
     saved = {"batches_per_epoch": None if cfg.streaming else len(train_loader),
-             "data": train_data.identity, "config": dataclasses.asdict(cfg),
+             "data": train_data.identity, "config": checkpoint.recorded_options(cfg),  # secrets redacted
              "setup": {k: setup[k] for k in ("distributed_type", "world_size", "data_parallel_size",
                                              "tensor_parallel_size", "mixed_precision")}}
     prompt = cfg.sample_prompt
@@ -599,4 +601,5 @@ def end(accelerator) -> None:
 
 
 if __name__ == "__main__":
+    tracking.redact_printed_lines()  # a token in an option, printed by us or a library, shows as [redacted]
     sys.exit(preemption.run_cli(main))

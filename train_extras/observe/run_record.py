@@ -101,6 +101,7 @@ class MetricsFile:
         if self.file is None:
             return
         try:
+            rows = tracking.redact_strings(rows)  # a mixture's source names are the user's
             self.file.write("".join(json.dumps({k: _finite_or_none(v) for k, v in row.items()}, allow_nan=False)
                                     + "\n" for row in rows))
             self.file.flush()  # to the OS: it survives this process; sync() makes it survive the machine
@@ -201,9 +202,10 @@ class RunRecord:
         """A mixture's result also holds each source's ("sources": {name: result}): eval/<name>/loss."""
         self.summary["eval"].append({"step": step, **result})
         sources = result.get("sources", {})
-        self.accelerator.log({"eval/loss": result["loss"], "eval/perplexity": result["perplexity"],
-                              **{f"eval/{name}/{key}": r[key] for name, r in sources.items()
-                                 for key in ("loss", "perplexity")}}, step=step)
+        self.accelerator.log(tracking.redact_strings({
+            "eval/loss": result["loss"], "eval/perplexity": result["perplexity"],
+            **{f"eval/{name}/{key}": r[key] for name, r in sources.items() for key in ("loss", "perplexity")}}),
+            step=step)
         self.metrics.write([{"kind": "eval", "step": step, **result, "time": now()}])
         if self.main:
             apart = "".join(f"  {name} {r['loss']:.4f}" for name, r in sources.items())
@@ -323,8 +325,8 @@ class RunRecord:
 
     # ---- the end ----
     def _write(self, name: str) -> None:
-        if self.main:
-            write_json(f"{self.cfg.output_dir}/{name}", self.summary)
+        if self.main:  # no secret at rest: the samples' prompts, the paths, the names (observe/tracking.py)
+            write_json(f"{self.cfg.output_dir}/{name}", tracking.redact_strings(self.summary))
 
     def skipped_steps(self, **counts: int) -> None:
         """Steps the loop skipped, by cause (a NaN/inf loss, an fp16 overflow)."""

@@ -51,6 +51,7 @@ from common.config import (ConfigError, TrainingError, data_file_list, data_para
                            same_on_every_rank, tensor_parallel_size)
 from common.files import write_json
 from train_extras import muon
+from train_extras.observe.tracking import redact, redact_strings
 from train_extras.parallel import tensor_parallel
 from train_extras.resume.output_dir import disk_full, free_bytes
 
@@ -235,6 +236,13 @@ def saved_options(meta: dict, cfg) -> dict:
     return {**dataclasses.asdict(type(cfg)()), **BEFORE_THE_OPTION, **meta.get("config", {})}
 
 
+def recorded_options(cfg) -> dict:
+    """The options as checkpoint.json records them: secrets redacted (observe/tracking.py). A resume
+    compares this run's options in the same form, so a redacted option is the same option (a token
+    in a URL that was rotated since included: it names the same data)."""
+    return redact(dataclasses.asdict(cfg))
+
+
 # What makes a stream the same stream: a resumed streamed run skips that many blocks of it.
 STREAM_IDENTITY = ("data_files", "dataset_name", "dataset_config", "dataset_split", "text_column", "txt_documents",
                    "add_bos", "seq_len", "seed", "tokenizer_name_or_path", "model_name_or_path", "document_mask")
@@ -247,6 +255,7 @@ def check_compatible(path: str | Path, cfg, accelerator, meta: dict) -> dict:
     checkpoint.json as resume_point verified it. Returns it."""
     meta_file = Path(path) / METADATA
     saved_cfg, saved_setup = saved_options(meta, cfg), meta.get("setup", {})
+    this = recorded_options(cfg)
     saved_model = saved_cfg.get("model_name_or_path") or f"preset {saved_cfg.get('preset')!r}"
     this_model = cfg.model_name_or_path or f"preset {cfg.preset!r}"
     if saved_cfg.get("model_name_or_path") is None and cfg.model_name_or_path is None and saved_model != this_model:
@@ -278,7 +287,7 @@ def check_compatible(path: str | Path, cfg, accelerator, meta: dict) -> dict:
         raise ConfigError(f"{meta_file} was saved by a run with streaming {streamed[0]}, {saved_world} data ranks and "
                           f"micro-batch {streamed[2]}: a streamed run resumes only as it was (each rank's place in "
                           "its part of the stream is a count of its own micro-batches)")
-    changed = [key for key in STREAM_IDENTITY if cfg.streaming and saved_cfg.get(key) != getattr(cfg, key)]
+    changed = [key for key in STREAM_IDENTITY if cfg.streaming and saved_cfg.get(key) != this[key]]
     if changed:
         raise ConfigError(f"{meta_file} streamed other data: --{', --'.join(changed)} differ; a streamed run resumes "
                           "by reading the same stream again up to its place")
@@ -286,12 +295,12 @@ def check_compatible(path: str | Path, cfg, accelerator, meta: dict) -> dict:
         raise ConfigError(f"{meta_file} is at step {meta['step']}, past --max_steps {cfg.max_steps}: nothing to "
                           f"train; to export it, resume with --max_steps {meta['step']}")
     files = "data" in meta and {key: meta["data"][key] for key in ("data_files", "eval_data_files")}
-    now = files and {key: _resolved(getattr(cfg, key)) for key in files}
+    now = files and {key: redact_strings(_resolved(getattr(cfg, key))) for key in files}
     changed = [key for key in TRAINED_ON + (() if files else ("data_files", "eval_data_files"))
-               if key in saved_cfg and not _same_option(saved_cfg[key], getattr(cfg, key))]
+               if key in saved_cfg and not _same_option(saved_cfg[key], this[key])]
     changed += [key for key in files or () if files[key] != now[key]]
     if changed:
-        shown = {**saved_cfg, **(files or {})}, {**vars(cfg), **(now or {})}
+        shown = {**saved_cfg, **(files or {})}, {**this, **(now or {})}
         diffs = ", ".join(f"--{key} {shown[0][key]!r} (this run: {shown[1][key]!r})" for key in changed)
         raise ConfigError(f"{meta_file} was trained with {diffs}: that would train on other data or from another "
                           "model, not continue this run; resume with the checkpoint's settings, or start afresh in "

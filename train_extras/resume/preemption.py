@@ -44,6 +44,7 @@ import torch
 from common.config import ConfigError, RecipeStop, one_line
 from common.config import run_cli as config_run_cli
 from common.files import write_json
+from train_extras.observe.tracking import redact_strings
 from train_extras.resume.output_dir import disk_full, remove_unused
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -98,13 +99,13 @@ def _sigterm_when_the_launcher_dies() -> None:
 
 
 def write_marker(output_dir: str | Path, step: int, checkpoint_path: Path, signal_name: str) -> Path:
-    return write_json(Path(output_dir) / REQUEUE_MARKER, {  # atomic: the scheduler never sees half a marker
+    return write_json(Path(output_dir) / REQUEUE_MARKER, redact_strings({  # atomic: never half a marker
         "step": step,
         "checkpoint": str(checkpoint_path),
         "signal": signal_name,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "resume_with": "--resume_from_checkpoint auto",
-    })
+    }))
 
 
 def clear_marker(output_dir: str | Path) -> None:
