@@ -164,12 +164,16 @@ def describe(shares: dict) -> str:
                      for name, s in shares.items())
 
 
-def evaluate(model, loaders: dict, accelerator, max_batches: int = 0) -> dict:
+def evaluate(model, loaders: dict, accelerator, max_batches: int = 0, stop=None) -> dict | None:
     """common.model.evaluate on each source's held-out loader; the mixture's loss is their token mean.
-    One source ({"": loader}): its result as it is."""
+    One source ({"": loader}): its result as it is. None: `stop` ended it (a preemption)."""
     if list(loaders) == [""]:
-        return modeling.evaluate(model, loaders[""], accelerator, max_batches)
-    sources = {name: modeling.evaluate(model, loader, accelerator, max_batches) for name, loader in loaders.items()}
+        return modeling.evaluate(model, loaders[""], accelerator, max_batches, stop)
+    sources = {}
+    for name, loader in loaders.items():
+        sources[name] = modeling.evaluate(model, loader, accelerator, max_batches, stop)
+        if sources[name] is None:
+            return None
     tokens = sum(r["tokens"] for r in sources.values())
     loss = sum(r["loss"] * r["tokens"] for r in sources.values()) / tokens if tokens else float("nan")
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens, "sources": sources}

@@ -219,6 +219,9 @@ class RunRecord:
     def has_sample_at(self, step: int) -> bool:
         return bool(self.summary["samples"]) and self.summary["samples"][-1]["step"] == step
 
+    def has_eval_at(self, step: int) -> bool:
+        return bool(self.summary["eval"]) and self.summary["eval"][-1]["step"] == step
+
     # ---- training ----
     @contextlib.contextmanager
     def training(self, start_step: int):

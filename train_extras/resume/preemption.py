@@ -64,11 +64,13 @@ class PreemptionWatch:
     def __init__(self):
         self.signal_name: str | None = None
         self._vote: torch.Tensor | None = None
+        self.installed = False
 
     def install(self) -> PreemptionWatch:
         for sig in SIGNALS:
             signal.signal(sig, self._on_signal)
         _sigterm_when_the_launcher_dies()
+        self.installed = True
         return self
 
     def _on_signal(self, signum, frame):
@@ -84,6 +86,17 @@ class PreemptionWatch:
             self._vote = torch.zeros((), device=device)
         return self._vote.fill_(0.0 if self.signal_name is None else 1.0)
 
+    def stop_check(self, accelerator):
+        """For an eval or a sample, which can last minutes (longer than a grace period): a callable
+        saying whether any rank was signalled, which every rank calls at the same batch or token.
+        On several processes it is a collective (a one-number all-reduce and its host sync), so the
+        ranks leave together; alone, the flag. None when signals are not watched."""
+        if not self.installed:
+            return None
+        if accelerator.num_processes == 1:
+            return lambda: self.signal_name is not None
+        return lambda: accelerator.reduce(self.vote(accelerator.device), "sum").item() > 0
+
 
 def _sigterm_when_the_launcher_dies() -> None:
     """Linux only: have the kernel send SIGTERM to this process when its parent (the launcher) exits."""
@@ -98,10 +111,11 @@ def _sigterm_when_the_launcher_dies() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def write_marker(output_dir: str | Path, step: int, checkpoint_path: Path, signal_name: str) -> Path:
+def write_marker(output_dir: str | Path, step: int, checkpoint_path: Path | None, signal_name: str) -> Path:
+    """checkpoint_path None: stopped before the first step, nothing to resume (auto starts afresh)."""
     return write_json(Path(output_dir) / REQUEUE_MARKER, redact_strings({  # atomic: never half a marker
         "step": step,
-        "checkpoint": str(checkpoint_path),
+        "checkpoint": None if checkpoint_path is None else str(checkpoint_path),
         "signal": signal_name,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "resume_with": "--resume_from_checkpoint auto",
