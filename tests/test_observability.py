@@ -14,6 +14,7 @@ import torch
 from accelerate.utils import DistributedType
 
 from train_extras.observe import metrics, tracking
+from train_extras.observe.run_record import RunRecord
 from train_extras.resume import checkpoint
 from common.config import ConfigError
 from conftest import DEBUG_ARGS, SYNTHETIC, Run, check_export_reproduces_model, launch, parse_train
@@ -331,11 +332,34 @@ def test_measuring_the_cpu_ceiling_leaves_the_global_rng_alone():
 
 
 @pytest.mark.quick
-def test_the_cpu_ceiling_shrinks_its_matmul_when_one_is_longer_than_a_burst():
+def test_the_cpu_ceiling_shrinks_its_matmul_when_one_is_longer_than_a_burst_but_not_below_512():
     """fp16 on a CPU without fp16 units ran one 1024 matmul in 2.1 s (the start-up measurement took
-    15 s): the size halves, from the time of one 256 matmul, until one fits in a burst."""
+    15 s): the size halves, from the best of three timings of a 256 matmul, until one fits in a
+    burst, down to 512: a loaded CPU once shrank it to 128, whose rate is far below the ceiling, and
+    the run reported MFU 242.9%."""
     tflops, size = metrics.measure_matmul_tflops(torch.device("cpu"), torch.float16, seconds=1e-6, bursts=1)
-    assert size == 128 and tflops > 0
+    assert size == metrics.MIN_MATMUL == 512 and tflops > 0
+
+
+@pytest.mark.quick
+def test_mfu_is_never_above_100_percent_a_peak_below_the_achieved_rate_is_dropped(tmp_path, capsys):
+    stats = metrics.interval_stats(steps=10, seconds=1.0, tokens_per_step=1000, world_size=1, flops_per_token=1e9,
+                                   peak_tflops_per_device=4.0, steps_left=0, step_times=[0.1])
+    assert stats["model_tflops_per_device"] == 10.0 and stats["mfu"] is None  # 250% of that peak: unknown
+    cfg = parse_train(["--max_steps", "2", "--warmup_steps", "0", "--log_every", "1", "--output_dir", str(tmp_path)])
+    accelerator = SimpleNamespace(is_main_process=True, num_processes=1, process_index=0,
+                                  device=torch.device("cpu"), log=lambda *args, **kwargs: None)
+    peak = {"tflops": 1e-9, "source": "measured float32 128x128 matmul, 2 threads"}  # far below any real rate
+    record = RunRecord(accelerator, cfg, {}, peak=peak, data={}, tokens_per_step=512, flops_per_token=1e6)
+    with record.training(0):
+        record.step(1, 1e-3, torch.tensor(2.0), torch.tensor(1.0), None)
+        record.interval(1)
+        record.step(2, 1e-3, torch.tensor(2.0), torch.tensor(1.0), None)
+        record.interval(2)
+    assert [t["mfu"] for t in record.summary["throughput"]] == [None, None]
+    assert record.summary["peak_flops_per_device"]["exceeded"]["step"] == 1
+    err = capsys.readouterr().err
+    assert err.count("warning: step 1: ") == 1 and "MFU is unknown for this run" in err
 
 
 def test_compile_gives_the_eager_losses(tmp_path, hf_home, train_run):

@@ -288,6 +288,8 @@ class RunRecord:
             steps=steps, seconds=elapsed, tokens_per_step=self.tokens_per_step,
             world_size=self.accelerator.num_processes, flops_per_token=self.flops_per_token,
             peak_tflops_per_device=self.peak_tflops, steps_left=self.cfg.max_steps - step, step_times=self.step_times)
+        if self.peak_tflops and stats["mfu"] is None:
+            self._peak_exceeded(step, stats["model_tflops_per_device"])
         memory = metrics.peak_memory(self.accelerator)
         experts = self._expert_load()
         self.summary["throughput"].append({"step": step, **stats, "memory_per_rank": memory, **experts})
@@ -304,6 +306,19 @@ class RunRecord:
                              tok_s=f"{stats['tokens_per_s']:,.0f}",
                              **({"mfu": f"{stats['mfu']:.1%}"} if stats["mfu"] is not None else {}))
         self.bar.update(steps)
+
+    def _peak_exceeded(self, step: int, achieved: float) -> None:
+        """A device did more than its peak: the peak is wrong, so no MFU of this run is (the summary's
+        earlier ones are dropped too; the lines already in metrics.jsonl and the trackers stay)."""
+        peak = self.summary["peak_flops_per_device"]
+        peak["exceeded"] = {"step": step, "model_tflops_per_device": achieved}
+        self.peak_tflops = None
+        for interval in self.summary["throughput"]:
+            interval["mfu"] = None
+        if self.main:
+            tqdm.write(f"warning: step {step}: {achieved:.3g} model TFLOP/s per device, above the peak MFU is "
+                       f"measured against ({peak['tflops']:.3g}, {peak['source']}): that peak is wrong (a CPU "
+                       "busier when it was measured than now?); MFU is unknown for this run", file=sys.stderr)
 
     def _expert_load(self) -> dict:
         """{"expert_load": per layer cv, max_share, min_share} over every rank's routing since the
