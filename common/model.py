@@ -160,8 +160,9 @@ def evaluate(model, eval_loader, accelerator, max_batches: int = 0, stop=None) -
     indices, which drops the rows accelerate repeats to even out the last batch and, under TP, the
     identical rows of a TP group (gather_for_metrics' trimming was measured 1e-3 off there). One
     CPU-GPU sync at the end, none per batch. `stop` (train.py: a preemption), called by every rank
-    every STOP_CHECK_EVERY batches, the same answer everywhere: True ends the eval there, with no
-    result (None): the loss of a part of the held-out set is not the held-out loss."""
+    every STOP_CHECK_EVERY batches (a sync of its own there on several processes), the same answer
+    everywhere: True ends the eval there, with no result (None): the loss of a part of the held-out
+    set is not the held-out loss."""
     model.eval()
     rows = []
     for i, batch in enumerate(eval_loader):

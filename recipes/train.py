@@ -29,13 +29,15 @@ or a weighted mixture with a held-out loss per source (train_extras/documents.py
 mixture.py); gradient checkpointing; pretrained start; resumable, atomic, rotated checkpoints
 with exact resume; fused AdamW; tqdm bar with loss, lr and tokens/s on a terminal, one plain line
 per interval in a log file; <output_dir>/metrics.jsonl appended as the run goes. Preemption
-(SIGTERM/SIGUSR1 on any rank): every rank finishes the step, a checkpoint and
-<output_dir>/requeue.json are written, exit code 75 (train_extras/resume/preemption.py). A rank
-that dies or hangs makes the others stop within --collective_timeout seconds with a message, not
-hang. Per log interval: tokens/s (global, per device), step time, MFU, memory per rank, ETA, into
-run_summary.json and the trackers of --report_to (secrets removed first; one tracker run across
-every resume, its id kept in the checkpoints): the whole record is written by one object,
-train_extras/observe/run_record.py's RunRecord. --compile compiles each decoder layer once
+(SIGTERM/SIGUSR1 on any rank): every rank finishes the step (or leaves an eval or a sample within a
+few batches or tokens), a checkpoint and <output_dir>/requeue.json are written, exit code 75
+(train_extras/resume/preemption.py). A rank that dies or hangs makes the others stop within
+--collective_timeout seconds with a message, not hang. Per log interval: tokens/s (global, per
+device), step time, MFU, memory per rank, ETA, into run_summary.json and the trackers of --report_to
+(one tracker run across every resume, its id kept in the checkpoints): the whole record is written
+by one object, train_extras/observe/run_record.py's RunRecord. Token-shaped values in options are
+redacted from everything the run writes and prints (train_extras/observe/tracking.py). --compile
+compiles each decoder layer once
 (accelerate's regional compilation).
 
 Host syncs per optimizer step: one (the NaN/inf and preemption decision, which must be known
