@@ -224,9 +224,8 @@ def prepare_data(cfg, accelerator, tokenizer, facts: ModelFacts, resume_path,
         else:  # text or conversations, from one source or a mixture
             built = documents.build(cfg, tokenizer, num_proc=cfg.dataset_num_proc)
     train_set, eval_sets = built.train, built.held_out
-    identity = tracking.redact_strings({  # kept in checkpoints: a token in a path is not
-        **checkpoint.data_identity(cfg, None if cfg.streaming else len(train_set)),
-        **documents.identity(cfg, tokenizer, built.kind)})
+    identity = {**checkpoint.data_identity(cfg, None if cfg.streaming else len(train_set)),
+                **documents.identity(cfg, tokenizer, built.kind)}
     if resume_meta is not None and not cfg.eval_only:  # a file rewritten in place
         checkpoint.check_same_data(resume_path, resume_meta, identity)
     pin_memory = accelerator.device.type == "cuda"
@@ -336,7 +335,8 @@ def build(cfg, accelerator, tokenizer, train_data: TrainData, facts: ModelFacts,
     record.model(parameters, active, metrics.compiled_regions(model))
     setup = record.summary["setup"]
     saved = {"batches_per_epoch": None if cfg.streaming else len(train_loader),
-             "data": train_data.identity, "config": checkpoint.recorded_options(cfg),  # secrets redacted
+             "data": tracking.redact_strings(train_data.identity),  # no secret at rest: redacted
+             "config": checkpoint.recorded_options(cfg),
              "setup": {k: setup[k] for k in ("distributed_type", "world_size", "data_parallel_size",
                                              "tensor_parallel_size", "mixed_precision")}}
     prompt = cfg.sample_prompt

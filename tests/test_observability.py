@@ -3,6 +3,7 @@ secrets kept out of them, and --compile against eager."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -130,6 +131,11 @@ def test_a_run_whose_options_hold_secrets_resumes_as_the_same_run(tracked_run):
     assert checkpoint.check_compatible(tracked_run.output_dir / "checkpoints" / "step_20", cfg, accelerator,
                                        meta) is meta
     assert checkpoint.resume_changes(meta, cfg) == {}
+    # a checkpoint saved before options were redacted holds them as they were: the same run too
+    data_files = [str(tracked_run.output_dir.parent / f"data-{SECRETS['path_token']}" / "corpus.jsonl")]
+    legacy = {**meta, "config": dataclasses.asdict(cfg), "data": {**meta["data"], "data_files": data_files}}
+    assert checkpoint.check_compatible(tracked_run.output_dir / "checkpoints" / "step_20", cfg, accelerator,
+                                       legacy) is legacy
     other = parse_train(tracked_run.args[:-1] + ["https://user:x@example.com/other-data"])
     with pytest.raises(ConfigError, match="--dataset_config 'https://user:\\[redacted\\]@example.com/data"):
         checkpoint.check_compatible(tracked_run.output_dir / "checkpoints" / "step_20", other, accelerator, meta)

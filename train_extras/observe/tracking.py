@@ -237,10 +237,12 @@ def run_identity(cfg, resume_meta: dict | None) -> dict:
     folder recorded, else a new one (a checkpoint of another folder starts a run of its own). uuid4
     reads the OS's randomness, not the seeded RNGs: the run's numbers stay as they were."""
     stored = (resume_meta or {}).get("tracker_run")
-    here = redact_text(os.path.abspath(cfg.output_dir), secret_env_values())  # as checkpoint.json keeps it
-    if stored and stored.get("output_dir") == here:
+    here = os.path.abspath(cfg.output_dir)
+    recorded = redact_text(here, secret_env_values())  # as checkpoint.json keeps it (older ones: as it is)
+    if stored and stored.get("output_dir") in (here, recorded):
         return stored
-    return {"id": os.environ.get("WANDB_RUN_ID") or uuid.uuid4().hex[:16], "name": run_name(cfg), "output_dir": here}
+    return {"id": os.environ.get("WANDB_RUN_ID") or uuid.uuid4().hex[:16], "name": run_name(cfg),
+            "output_dir": recorded}
 
 
 def start(accelerator, cfg, setup: dict, identity: dict, start_step: int) -> None:

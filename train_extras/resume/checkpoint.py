@@ -238,8 +238,8 @@ def saved_options(meta: dict, cfg) -> dict:
 
 def recorded_options(cfg) -> dict:
     """The options as checkpoint.json records them: secrets redacted (observe/tracking.py). A resume
-    compares this run's options in the same form, so a redacted option is the same option (a token
-    in a URL that was rotated since included: it names the same data)."""
+    compares this run's options in that form too (`_same_option`), so a redacted option is the same
+    option (a token in a URL that was rotated since included: it names the same data)."""
     return redact(dataclasses.asdict(cfg))
 
 
@@ -255,7 +255,6 @@ def check_compatible(path: str | Path, cfg, accelerator, meta: dict) -> dict:
     checkpoint.json as resume_point verified it. Returns it."""
     meta_file = Path(path) / METADATA
     saved_cfg, saved_setup = saved_options(meta, cfg), meta.get("setup", {})
-    this = recorded_options(cfg)
     saved_model = saved_cfg.get("model_name_or_path") or f"preset {saved_cfg.get('preset')!r}"
     this_model = cfg.model_name_or_path or f"preset {cfg.preset!r}"
     if saved_cfg.get("model_name_or_path") is None and cfg.model_name_or_path is None and saved_model != this_model:
@@ -287,7 +286,8 @@ def check_compatible(path: str | Path, cfg, accelerator, meta: dict) -> dict:
         raise ConfigError(f"{meta_file} was saved by a run with streaming {streamed[0]}, {saved_world} data ranks and "
                           f"micro-batch {streamed[2]}: a streamed run resumes only as it was (each rank's place in "
                           "its part of the stream is a count of its own micro-batches)")
-    changed = [key for key in STREAM_IDENTITY if cfg.streaming and saved_cfg.get(key) != this[key]]
+    changed = [key for key in STREAM_IDENTITY if cfg.streaming and not _same_option(saved_cfg.get(key),
+                                                                                     getattr(cfg, key))]
     if changed:
         raise ConfigError(f"{meta_file} streamed other data: --{', --'.join(changed)} differ; a streamed run resumes "
                           "by reading the same stream again up to its place")
@@ -295,12 +295,12 @@ def check_compatible(path: str | Path, cfg, accelerator, meta: dict) -> dict:
         raise ConfigError(f"{meta_file} is at step {meta['step']}, past --max_steps {cfg.max_steps}: nothing to "
                           f"train; to export it, resume with --max_steps {meta['step']}")
     files = "data" in meta and {key: meta["data"][key] for key in ("data_files", "eval_data_files")}
-    now = files and {key: redact_strings(_resolved(getattr(cfg, key))) for key in files}
+    now = files and {key: _resolved(getattr(cfg, key)) for key in files}
     changed = [key for key in TRAINED_ON + (() if files else ("data_files", "eval_data_files"))
-               if key in saved_cfg and not _same_option(saved_cfg[key], this[key])]
-    changed += [key for key in files or () if files[key] != now[key]]
-    if changed:
-        shown = {**saved_cfg, **(files or {})}, {**this, **(now or {})}
+               if key in saved_cfg and not _same_option(saved_cfg[key], getattr(cfg, key))]
+    changed += [key for key in files or () if not _same_option(files[key], now[key])]
+    if changed:  # shown as recorded: secrets redacted
+        shown = {**saved_cfg, **(files or {})}, redact_strings({**vars(cfg), **(now or {})})
         diffs = ", ".join(f"--{key} {shown[0][key]!r} (this run: {shown[1][key]!r})" for key in changed)
         raise ConfigError(f"{meta_file} was trained with {diffs}: that would train on other data or from another "
                           "model, not continue this run; resume with the checkpoint's settings, or start afresh in "
@@ -323,8 +323,10 @@ def _resolved(paths: list[str] | None) -> list[str]:
 
 
 def _same_option(saved, this) -> bool:
-    """Equal, or the same local folder named two ways (a relative and an absolute path)."""
-    if saved == this:
+    """Equal, or equal to this value as checkpoint.json records it (secrets redacted; a checkpoint
+    saved before they were holds the value itself), or the same local folder named two ways (a
+    relative and an absolute path)."""
+    if saved == this or saved == redact_strings(this):
         return True
     return isinstance(saved, str) and isinstance(this, str) and os.path.isdir(this) and \
         os.path.realpath(saved) == os.path.realpath(this)
@@ -349,7 +351,7 @@ def check_same_data(path, meta: dict, data: dict) -> None:
                "chat_template_sha256": "another chat template rendered its conversations",
                "mixture": "its data mixture was another (sources, files or weights)"}
     for key, what in differs.items():
-        if saved.get(key) != data.get(key):
+        if not _same_option(saved.get(key), data.get(key)):  # recorded with secrets redacted
             raise ConfigError(f"{Path(path) / METADATA} was trained on other data: {what} from the same options; "
                               "resume on the same data, or start afresh in another --output_dir")
 
