@@ -150,27 +150,18 @@ def build_scheduler(optimizer, cfg):
                          scheduler_specific_kwargs=kwargs)
 
 
-STOP_CHECK_EVERY = 4  # eval batches between two calls of evaluate's `stop`
-
-
 @torch.no_grad()
-def evaluate(model, eval_loader, accelerator, max_batches: int = 0, stop=None) -> dict | None:
+def evaluate(model, eval_loader, accelerator, max_batches: int = 0) -> dict:
     """Token-weighted mean loss over the held-out blocks, across all ranks, each block counted once:
     (sample index, loss sum, target tokens) per sequence are gathered and summed over distinct
     indices, which drops the rows accelerate repeats to even out the last batch and, under TP, the
     identical rows of a TP group (gather_for_metrics' trimming was measured 1e-3 off there). One
-    CPU-GPU sync at the end, none per batch. `stop` (train.py: a preemption), called by every rank
-    every STOP_CHECK_EVERY batches (a sync of its own there on several processes), the same answer
-    everywhere: True ends the eval there, with no result (None): the loss of a part of the held-out
-    set is not the held-out loss."""
+    CPU-GPU sync at the end, none per batch."""
     model.eval()
     rows = []
     for i, batch in enumerate(eval_loader):
         if max_batches and i >= max_batches:
             break
-        if stop is not None and i % STOP_CHECK_EVERY == 0 and stop():
-            model.train()
-            return None
         labels, positions = batch["labels"], batch.get("position_ids")
         per_token = causal_lm_loss(model, batch["input_ids"], labels, "none", positions).view(labels.shape)
         per_seq = torch.stack([batch["index"].to(per_token.device).double(), per_token.sum(1).double(),

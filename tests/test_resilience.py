@@ -215,7 +215,7 @@ def test_sigterm_to_a_one_process_launcher_still_saves(tmp_path, hf_home):
 
 # A long eval: once the model has trained, each held-out batch and each generated token takes 1 s
 # (tests/probes/sitecustomize.py), so the eval at step 10 (18 batches) would take 18 s to end by itself
-# (a big model's, minutes). A signal is answered within 4 batches (common/model.py STOP_CHECK_EVERY).
+# (a big model's, minutes). A signal is answered within 4 batches (train_extras/mixture.py STOP_CHECK_EVERY).
 SLOW_EVAL = {"ACCELERATE_RECIPES_SLOW_EVAL": "1"}
 EVAL_ARGS = ["--max_steps", "20", "--eval_every", "10", "--log_every", "10", "--save_model", "false"]
 

@@ -164,16 +164,37 @@ def describe(shares: dict) -> str:
                      for name, s in shares.items())
 
 
+STOP_CHECK_EVERY = 4  # held-out batches between two calls of evaluate's `stop`
+
+
+class _UntilStopped:
+    """A held-out loader that ends early once `stop()`, asked by every rank at the same batch (every
+    STOP_CHECK_EVERY; on several processes a sync of its own), says so."""
+
+    def __init__(self, loader, stop):
+        self.loader, self.stop, self.stopped = loader, stop, False
+
+    def __iter__(self):
+        for i, batch in enumerate(self.loader):
+            if i % STOP_CHECK_EVERY == 0 and self.stop():
+                self.stopped = True
+                return
+            yield batch
+
+
 def evaluate(model, loaders: dict, accelerator, max_batches: int = 0, stop=None) -> dict | None:
     """common.model.evaluate on each source's held-out loader; the mixture's loss is their token mean.
-    One source ({"": loader}): its result as it is. None: `stop` ended it (a preemption)."""
-    if list(loaders) == [""]:
-        return modeling.evaluate(model, loaders[""], accelerator, max_batches, stop)
+    One source ({"": loader}): its result as it is. `stop` (train.py: a preemption): True ends the
+    eval within STOP_CHECK_EVERY batches, with no result (None): the loss of a part of the held-out
+    set is not the held-out loss."""
     sources = {}
     for name, loader in loaders.items():
-        sources[name] = modeling.evaluate(model, loader, accelerator, max_batches, stop)
-        if sources[name] is None:
+        batches = _UntilStopped(loader, stop) if stop is not None else loader
+        sources[name] = modeling.evaluate(model, batches, accelerator, max_batches)
+        if stop is not None and batches.stopped:
             return None
+    if list(sources) == [""]:
+        return sources[""]
     tokens = sum(r["tokens"] for r in sources.values())
     loss = sum(r["loss"] * r["tokens"] for r in sources.values()) / tokens if tokens else float("nan")
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens, "sources": sources}
