@@ -608,10 +608,12 @@ def finish(run: Run, record: RunRecord, start_step: int, watch, micro_batches_do
         interrupted = evaluate(run, record, cfg.max_steps, watch)
     if not interrupted and cfg.sample_length and not record.has_sample_at(cfg.max_steps):
         interrupted = sample(run, record, cfg.max_steps, watch)  # --sample_at_eval may have
-    if interrupted:
-        last = checkpoint.list_complete(cfg.output_dir)[-1:]  # the loop's, or the one resumed from
-        saved = (last[0] if last and last[0].name == f"step_{cfg.max_steps}" else
-                 save(run, record, cfg.max_steps, micro_batches_done))
+    if interrupted:  # decided from the options alone: the same on every rank, as a save must be
+        last = os.path.join(cfg.output_dir, checkpoint.CHECKPOINT_DIR, f"step_{cfg.max_steps}")
+        resumed = record.summary.get("resumed_from", {}).get("path")
+        have = (cfg.save_every and start_step < cfg.max_steps) or (  # the loop's, or the one resumed from
+            resumed is not None and os.path.realpath(resumed) == os.path.realpath(last))
+        saved = last if have else save(run, record, cfg.max_steps, micro_batches_done)
         return {"step": cfg.max_steps, "signal": watch.signal_name or "another rank's signal",
                 "interrupted": interrupted, "checkpoint": str(saved)}
     export = None

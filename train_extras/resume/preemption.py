@@ -22,7 +22,10 @@ Who sends the signal, and to whom (accelerate 1.15 / torch 2.13, docs/toolchain.
 
 Every rank must stop after the same step, but each learns of the signal on its own, at a different
 moment. So each rank's "stop" vote rides along with the step's loss all-reduce (no extra
-collective, no extra host sync) and all ranks act on the sum.
+collective, no extra host sync) and all ranks act on the sum. An eval or a sample can outlast the
+grace period (minutes on a big model): it asks `stop_check` every few batches or tokens, a one-number
+all-reduce there, so every rank leaves it at the same point and the run saves at once
+(docs/checkpoints.md#preemption: what is saved, by where the signal lands).
 
 The marker (`<output_dir>/requeue.json`) is the contract with the scheduler: the worker's exit code
 does not survive `accelerate launch` (it returns 1 for any failure). A job script requeues when
