@@ -29,13 +29,15 @@ or a weighted mixture with a held-out loss per source (train_extras/data/: sourc
 render, packing); gradient checkpointing; pretrained start; resumable, atomic, rotated checkpoints
 with exact resume; fused AdamW; tqdm bar with loss, lr and tokens/s on a terminal, one plain line
 per interval in a log file; <output_dir>/metrics.jsonl appended as the run goes. Preemption
-(SIGTERM/SIGUSR1 on any rank): every rank finishes the step, a checkpoint and
-<output_dir>/requeue.json are written, exit code 75 (train_extras/resume/preemption.py). A rank
-that dies or hangs makes the others stop within --collective_timeout seconds with a message, not
-hang. Per log interval: tokens/s (global, per device), step time, MFU, memory per rank, ETA, into
-run_summary.json and the trackers of --report_to (secrets removed first; one tracker run across
-every resume, its id kept in the checkpoints): the whole record is written by one object,
-train_extras/observe/run_record.py's RunRecord. --compile compiles each decoder layer once
+(SIGTERM/SIGUSR1 on any rank): every rank finishes the step (or leaves an eval or a sample within a
+few batches or tokens), a checkpoint and <output_dir>/requeue.json are written, exit code 75
+(train_extras/resume/preemption.py). A rank that dies or hangs makes the others stop within
+--collective_timeout seconds with a message, not hang. Per log interval: tokens/s (global, per
+device), step time, MFU, memory per rank, ETA, into run_summary.json and the trackers of --report_to
+(one tracker run across every resume, its id kept in the checkpoints): the whole record is written
+by one object, train_extras/observe/run_record.py's RunRecord. Token-shaped values in options are
+redacted from everything the run writes and prints (train_extras/observe/tracking.py). --compile
+compiles each decoder layer once
 (accelerate's regional compilation).
 
 Host syncs per optimizer step: one (the NaN/inf and preemption decision, which must be known
@@ -44,6 +46,7 @@ and gradient norms stay on the device until the log interval fetches them all at
 """
 
 import dataclasses
+import os
 import sys
 from datetime import timedelta
 
@@ -58,10 +61,9 @@ from common import model as modeling
 from common.export import export_pretrained
 from train_extras import chunked_loss, moe, muon
 from train_extras.data import assemble, at_scale, packing, render
-from train_extras.observe import flops, metrics, run_record
+from train_extras.observe import flops, metrics, run_record, tracking
 from train_extras.observe.run_record import RunRecord
 from train_extras.observe.sampling import sample_text
-from train_extras.observe.tracking import redact
 from train_extras.options import TrainConfig
 from train_extras.parallel import cpu_threads, deepspeed_settings, fsdp_settings, tensor_parallel
 from train_extras.resume import checkpoint, output_dir, preemption
@@ -86,17 +88,20 @@ def main(argv=None):
         return end(accelerator)
 
     record.open_metrics(start.step if resume_path is not None else None)
-    if resume_path is None and cfg.eval_every > 0:
-        evaluate(run, record, 0)
-    preempted = train(run, record, start, watch)
+    preempted = None
+    # Step 0's eval, or the one a preemption interrupted at the step this run resumes from.
+    if cfg.eval_every > 0 and (resume_path is None or resume_meta.get("eval_pending")):
+        interrupted = evaluate(run, record, start.step, watch)
+        if interrupted:  # nothing trained since the checkpoint (or at all): nothing new to save
+            preempted = {"step": start.step, "signal": watch.signal_name or "another rank's signal",
+                         "interrupted": interrupted,
+                         "checkpoint": None if resume_path is None else str(resume_path)}
+    if not preempted:
+        preempted, micro_batches_done = train(run, record, start, watch)
+    if not preempted:
+        preempted = finish(run, record, start.step, watch, micro_batches_done)
     if preempted:  # the grace period is short: the checkpoint and the record, no eval, no export
-        record.preempted(preempted)
-        end(accelerator)
-        raise preemption.Preempted(
-            f"preempted ({preempted['signal']}) at step {preempted['step']}: saved "
-            f"{preempted['checkpoint']} and {cfg.output_dir}/{preemption.REQUEUE_MARKER}; "
-            "rerun with --resume_from_checkpoint auto")
-    finish(run, record, start.step)
+        stop_preempted(run, record, preempted)
     end(accelerator)
 
 
@@ -105,6 +110,7 @@ def main(argv=None):
 def configure(argv):
     """The options, and every check that needs no Accelerator; the process set up to train."""
     cfg = config.parse(TrainConfig, argv, recipe="train.py")
+    tracking.warn_command_line(sys.argv[1:] if argv is None else argv, os.environ.get("RANK", "0") == "0")
     modeling.check_seq_len(cfg)
     tensor_parallel.check_launch_sizes("train.py")  # the process count, before the mesh exists
     cpu_threads.use_available_cores()  # accelerate's default for one CPU process is one thread
@@ -241,7 +247,7 @@ def start_record(cfg, accelerator, train_data: TrainData, facts: ModelFacts) -> 
     """The run's record, and the setup block, printed once the data is known to be good (bad
     input stays a one-line error). Logs get copied around: the options are printed and recorded
     with secrets removed, as trackers get them."""
-    setup = config.setup_facts(cfg, accelerator, options=redact(dataclasses.asdict(cfg)))
+    setup = config.setup_facts(cfg, accelerator, options=tracking.redact(dataclasses.asdict(cfg)))
     peak = metrics.peak_flops(accelerator)  # per device, for MFU (measured on a CPU: ~0.7 s)
     train_set, eval_sets = train_data.train_set, train_data.eval_sets
     eval_count = sum(len(eval_set) for eval_set in eval_sets.values())
@@ -330,7 +336,8 @@ def build(cfg, accelerator, tokenizer, train_data: TrainData, facts: ModelFacts,
     record.model(parameters, active, metrics.compiled_regions(model))
     setup = record.summary["setup"]
     saved = {"batches_per_epoch": None if cfg.streaming else len(train_loader),
-             "data": train_data.identity, "config": dataclasses.asdict(cfg),
+             "data": tracking.redact_strings(train_data.identity),  # no secret at rest: redacted
+             "config": checkpoint.recorded_options(cfg),
              "setup": {k: setup[k] for k in ("distributed_type", "world_size", "data_parallel_size",
                                              "tensor_parallel_size", "mixed_precision")}}
     prompt = cfg.sample_prompt
@@ -368,9 +375,9 @@ def restore(run: Run, record: RunRecord, path, meta) -> Position:
 
 # ---- training ----
 
-def train(run: Run, record: RunRecord, start: Position, watch) -> dict | None:
-    """The loop, from the step after `start` to --max_steps. Returns None, or what a preemption
-    left (its step, signal, checkpoint and requeue marker) when a signal stopped it early."""
+def train(run: Run, record: RunRecord, start: Position, watch) -> tuple[dict | None, int]:
+    """The loop, from the step after `start` to --max_steps. Returns (None, or what a preemption
+    left when a signal stopped it early: its step, signal and checkpoint; the micro-batches done)."""
     cfg, accelerator, optimizer = run.cfg, run.accelerator, run.optimizer
     run.model.train()
     if cfg.streaming:
@@ -408,20 +415,20 @@ def train(run: Run, record: RunRecord, start: Position, watch) -> dict | None:
             if eval_now:
                 record.steps_to_file()  # its host sync waits for the steps: training time
             with record.paused():  # eval and checkpoint time is not training time (tokens/s)
-                if eval_now:
-                    evaluate(run, record, step)
+                interrupted = eval_now and evaluate(run, record, step, watch)
+                if interrupted:  # a signal during the eval or its sample: save now, not minutes later
+                    preempted = {"step": step, "signal": watch.signal_name or "another rank's signal",
+                                 "interrupted": interrupted}
                 if preempted or (cfg.save_every and (step % cfg.save_every == 0
                                                      or step == cfg.max_steps)):
-                    saved = save(run, record, step, micro_batches_done)
+                    # an eval cut short is done again by the resumed run, before its first step
+                    saved = save(run, record, step, micro_batches_done,
+                                 eval_pending=interrupted == "eval")
             if preempted:
-                if accelerator.is_main_process:
-                    marker = preemption.write_marker(cfg.output_dir, step, saved,
-                                                     preempted["signal"])
-                    preempted["marker"] = str(marker)
                 preempted["checkpoint"] = str(saved)
                 break
     record.skipped_steps(nonfinite_loss=nonfinite.skipped, fp16_overflow=overflow.skipped)
-    return preempted
+    return preempted, micro_batches_done
 
 
 def forward_backward(run: Run, micro_batches: list, watch, record: RunRecord):
@@ -481,25 +488,38 @@ def update(run: Run, overflow: "OverflowSkips"):
     return grad_norm
 
 
-def evaluate(run: Run, record: RunRecord, step: int) -> None:
+def evaluate(run: Run, record: RunRecord, step: int, watch) -> str | None:
+    """The held-out loss (and --sample_at_eval's sample). A preemption signal ends either within
+    seconds, on every rank at the same batch or token: returns what it interrupted ("eval", whose
+    part-result is not recorded, or "sample"), else None."""
     cfg = run.cfg
-    result = assemble.evaluate(run.model, run.eval_loaders, run.accelerator, cfg.eval_batches)
+    result = assemble.evaluate(run.model, run.eval_loaders, run.accelerator, cfg.eval_batches,
+                               watch.stop_check(run.accelerator))
+    if result is None:
+        return "eval"
     record.eval(step, result)
     if cfg.sample_at_eval and cfg.sample_length:
-        sample(run, record, step)
+        return sample(run, record, step, watch)
+    return None
 
 
-def sample(run: Run, record: RunRecord, step: int) -> None:
-    """What the model writes now: read it to judge the run, not only its loss."""
+def sample(run: Run, record: RunRecord, step: int, watch) -> str | None:
+    """What the model writes now: read it to judge the run, not only its loss. "sample" when a
+    preemption signal ended it (nothing recorded), else None."""
     cfg = run.cfg
-    record.sample(step, run.sample_prompt, sample_text(run.accelerator, run.model, run.tokenizer,
-                                                       run.sample_prompt, cfg.sample_length, cfg.seed))
+    text = sample_text(run.accelerator, run.model, run.tokenizer, run.sample_prompt, cfg.sample_length,
+                       cfg.seed, stop=watch.stop_check(run.accelerator))
+    if text is None:
+        return "sample"
+    record.sample(step, run.sample_prompt, text)
+    return None
 
 
-def save(run: Run, record: RunRecord, step: int, micro_batches_done: int):
+def save(run: Run, record: RunRecord, step: int, micro_batches_done: int, eval_pending: bool = False):
     record.sync()  # metrics.jsonl up to this checkpoint survives a crash of the machine too
     metadata = {"micro_batches_done": micro_batches_done,  # per rank: with batches_per_epoch,
-                "tokens_seen": step * record.tokens_per_step, **run.saved}  # the data position
+                "tokens_seen": step * record.tokens_per_step, **run.saved,  # the data position
+                **({"eval_pending": True} if eval_pending else {})}
     return checkpoint.save(run.accelerator, run.cfg.output_dir, step, keep=run.cfg.save_total_limit,
                            model=run.model, optimizer=run.optimizer, metadata=metadata)
 
@@ -578,20 +598,51 @@ class OverflowSkips:
 
 # ---- the end ----
 
-def finish(run: Run, record: RunRecord, start_step: int) -> None:
-    """The final model: eval, sample, export, run_summary.json and the last line."""
+def finish(run: Run, record: RunRecord, start_step: int, watch, micro_batches_done: int) -> dict | None:
+    """The final model: eval, sample, export, run_summary.json and the last line. Returns None, or
+    what a preemption left when a signal interrupted the eval or the sample: the trained model is
+    saved at --max_steps (unless that checkpoint exists), and the requeued run exports it."""
     cfg = run.cfg
+    interrupted = None
     # Nothing trained: still report the final model (metrics.jsonl, closed, has the run's evals).
-    if start_step >= cfg.max_steps and cfg.eval_every > 0:
-        evaluate(run, record, cfg.max_steps)
-    if cfg.sample_length and not record.has_sample_at(cfg.max_steps):  # --sample_at_eval may have
-        sample(run, record, cfg.max_steps)
+    if start_step >= cfg.max_steps and cfg.eval_every > 0 and not record.has_eval_at(cfg.max_steps):
+        interrupted = evaluate(run, record, cfg.max_steps, watch)
+    if not interrupted and cfg.sample_length and not record.has_sample_at(cfg.max_steps):
+        interrupted = sample(run, record, cfg.max_steps, watch)  # --sample_at_eval may have
+    if interrupted:  # decided from the options alone: the same on every rank, as a save must be
+        last = os.path.join(cfg.output_dir, checkpoint.CHECKPOINT_DIR, f"step_{cfg.max_steps}")
+        resumed = record.summary.get("resumed_from", {}).get("path")
+        have = (cfg.save_every and start_step < cfg.max_steps) or (  # the loop's, or the one resumed from
+            resumed is not None and os.path.realpath(resumed) == os.path.realpath(last))
+        saved = last if have else save(run, record, cfg.max_steps, micro_batches_done)
+        return {"step": cfg.max_steps, "signal": watch.signal_name or "another rank's signal",
+                "interrupted": interrupted, "checkpoint": str(saved)}
     export = None
     if cfg.save_model:  # export_dtype auto (None): the run's precision
         dtype = None if cfg.export_dtype == "auto" else getattr(torch, cfg.export_dtype)
         export = export_pretrained(run.accelerator, run.model, run.tokenizer,
                                    f"{cfg.output_dir}/model", dtype)
     record.finished(export, start_step)
+    return None
+
+
+def stop_preempted(run: Run, record: RunRecord, preempted: dict) -> None:
+    """After the checkpoint (if anything trained): the requeue marker, the record and one line, exit 75."""
+    cfg, accelerator = run.cfg, run.accelerator
+    saved, step = preempted["checkpoint"], preempted["step"]
+    if accelerator.is_main_process:
+        preempted["marker"] = str(preemption.write_marker(cfg.output_dir, step, saved, preempted["signal"]))
+    record.preempted(preempted)
+    end(accelerator)
+    during = f" during its {preempted['interrupted']}" if preempted.get("interrupted") else ""
+    if saved is None:
+        raise preemption.Preempted(
+            f"preempted ({preempted['signal']}) before the first step{during}: nothing trained, no "
+            f"checkpoint; wrote {cfg.output_dir}/{preemption.REQUEUE_MARKER}; rerun as it was (the "
+            "requeued run starts afresh)")
+    raise preemption.Preempted(
+        f"preempted ({preempted['signal']}) at step {step}{during}: saved {saved} and "
+        f"{cfg.output_dir}/{preemption.REQUEUE_MARKER}; rerun with --resume_from_checkpoint auto")
 
 
 def end(accelerator) -> None:
@@ -600,4 +651,5 @@ def end(accelerator) -> None:
 
 
 if __name__ == "__main__":
+    tracking.redact_printed_lines()  # a token in an option, printed by us or a library, shows as [redacted]
     sys.exit(preemption.run_cli(main))

@@ -3,22 +3,31 @@ secrets kept out of them, and --compile against eager."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
 import sqlite3
+from types import SimpleNamespace
 
 import pytest
 import torch
+from accelerate.utils import DistributedType
 
 from train_extras.observe import metrics, tracking
+from train_extras.observe.run_record import RunRecord
+from train_extras.resume import checkpoint
 from common.config import ConfigError
-from conftest import DEBUG_ARGS, Run, check_export_reproduces_model, launch, parse_train
+from conftest import DEBUG_ARGS, SYNTHETIC, Run, check_export_reproduces_model, launch, parse_train
 
-# Secret-looking values in two options and two environment variables; none may reach a tracker.
+# Secret-looking values in four options and two environment variables; none may reach a file of the
+# run or its output.
 SECRETS = {
     "run_name": "hf_RunNameSecretRunNameSecret42",
     "url_password": "pa55w0rd-in-url",
     "url_token": "querytoken1234567",
+    "prompt_token": "ghp_PromptSecretPromptSecret0123456789",
+    "path_token": "sk-PathSecretPathSecret0123456789",
     "env_hf_token": "hf_EnvironmentTokenEnvironment77",
     "env_wandb_key": "0123456789abcdef0123456789abcdef01234567",
 }
@@ -28,10 +37,14 @@ SECRETS = {
 def tracked_run(tmp_path_factory, hf_home):
     out = tmp_path_factory.mktemp("tracked")
     trackio_dir = tmp_path_factory.mktemp("trackio")
+    data = out / f"data-{SECRETS['path_token']}" / "corpus.jsonl"  # a data file in a folder named by a token
+    data.parent.mkdir()
+    shutil.copy(SYNTHETIC, data)
     args = DEBUG_ARGS + [
-        "--max_steps", "20", "--eval_every", "10", "--save_model", "false", "--output_dir", str(out / "run"),
+        "--max_steps", "20", "--eval_every", "10", "--save_every", "10", "--output_dir", str(out / "run"),
         "--report_to", "tensorboard", "wandb", "trackio",
-        "--run_name", f"exp-{SECRETS['run_name']}",
+        "--run_name", f"exp-{SECRETS['run_name']}", "--data_files", str(data),
+        "--sample_prompt", f"key {SECRETS['prompt_token']}:",  # its samples print and record the prompt
         # unused without --dataset_name, so the run still trains on the embedded data
         "--dataset_config", f"https://user:{SECRETS['url_password']}@example.com/data?token={SECRETS['url_token']}",
     ]
@@ -39,6 +52,7 @@ def tracked_run(tmp_path_factory, hf_home):
            "HF_TOKEN": SECRETS["env_hf_token"], "WANDB_API_KEY": SECRETS["env_wandb_key"]}
     run = Run(out / "run", launch("train.py", args, hf_home, env=env))
     run.trackio_db = trackio_dir / "accelerate-recipes.db"
+    run.args = args
     return run
 
 
@@ -80,24 +94,51 @@ def test_trackio_database_holds_loss_lr_throughput_and_mfu(tracked_run):
     assert run_names == {"exp-[redacted]"}  # the name reached trackio, redacted
 
 
-def test_no_tracker_file_holds_a_secret(tracked_run):
+def test_no_file_of_the_run_holds_a_secret(tracked_run):
+    """Every file the run wrote (trackers, checkpoints, the export, its records), and its output."""
     files = [p for p in tracked_run.output_dir.rglob("*") if p.is_file()]
     files += [p for p in tracked_run.trackio_db.parent.rglob("*") if p.is_file()]
     names = {p.name for p in files}
     assert "hparams.yml" in names and any(n.startswith("events.out.tfevents") for n in names)  # tensorboard
     assert any(n.endswith(".wandb") for n in names) and "debug.log" in names  # wandb, offline
     assert "accelerate-recipes.db" in names  # trackio
+    assert {"checkpoint.json", "run_summary.json", "metrics.jsonl", "config.json"} <= names  # saved, exported
     wandb_run = next(p for p in files if p.name.endswith(".wandb")).read_bytes()
     assert b"train/loss" in wandb_run  # the reader below would see a logged value: the search is not blind
     for file in files:
-        if file.name == "run_summary.json" or file.parent.name == "checkpoints":
-            continue
         content = file.read_bytes()
         for what, secret in SECRETS.items():
             assert secret.encode() not in content, f"{what} found in {file}"
+    for what, secret in SECRETS.items():
+        assert secret not in tracked_run.proc.stdout + tracked_run.proc.stderr, f"{what} printed"
     hparams = (tracked_run.output_dir / "accelerate-recipes").rglob("hparams.yml")
     assert "dataset_config: https://user:[redacted]@example.com/data?token=[redacted]" in next(hparams).read_text()
-    assert SECRETS["run_name"] not in tracked_run.proc.stdout  # the printed options are redacted too
+    # what the record says instead, and the warning about the command line
+    meta = json.loads((tracked_run.output_dir / "checkpoints" / "step_20" / "checkpoint.json").read_text())
+    assert meta["config"]["run_name"] == "exp-[redacted]"
+    assert meta["data"]["data_files"] == [str(tracked_run.output_dir.parent / "data-[redacted]" / "corpus.jsonl")]
+    assert tracked_run.summary["samples"][0]["prompt"] == "key [redacted]:"
+    assert "warning: --run_name, --data_files, --sample_prompt, --dataset_config on the command line holds a " \
+           "secret-looking value" in tracked_run.proc.stderr
+
+
+def test_a_run_whose_options_hold_secrets_resumes_as_the_same_run(tracked_run):
+    """checkpoint.json keeps the options redacted; a resume compares this run's in the same form: not
+    refused (its data files hold a token), and no option reported as changed."""
+    meta = json.loads((tracked_run.output_dir / "checkpoints" / "step_20" / "checkpoint.json").read_text())
+    cfg = parse_train(tracked_run.args + ["--resume_from_checkpoint", "auto"])
+    accelerator = SimpleNamespace(distributed_type=DistributedType.NO, num_processes=1, parallelism_config=None)
+    assert checkpoint.check_compatible(tracked_run.output_dir / "checkpoints" / "step_20", cfg, accelerator,
+                                       meta) is meta
+    assert checkpoint.resume_changes(meta, cfg) == {}
+    # a checkpoint saved before options were redacted holds them as they were: the same run too
+    data_files = [str(tracked_run.output_dir.parent / f"data-{SECRETS['path_token']}" / "corpus.jsonl")]
+    legacy = {**meta, "config": dataclasses.asdict(cfg), "data": {**meta["data"], "data_files": data_files}}
+    assert checkpoint.check_compatible(tracked_run.output_dir / "checkpoints" / "step_20", cfg, accelerator,
+                                       legacy) is legacy
+    other = parse_train(tracked_run.args[:-1] + ["https://user:x@example.com/other-data"])
+    with pytest.raises(ConfigError, match="--dataset_config 'https://user:\\[redacted\\]@example.com/data"):
+        checkpoint.check_compatible(tracked_run.output_dir / "checkpoints" / "step_20", other, accelerator, meta)
 
 
 @pytest.mark.quick
@@ -113,7 +154,7 @@ def test_redaction_rules(monkeypatch):
     config = {
         "api_key": "anything at all", "hub_token": None, "lr": 3e-3,
         "paths": ["/data/correct-horse/x.txt", "s3://bucket/key"],
-        "nested": {"url": "https://me:hunter22@host/x?sig=XYZ&page=2", "note": "uses ghp_abcdefghijklmnopqrstuvwxyz01"},
+        "nested": {"url": "https://me:hunter22@host/x?sig=XYZ&page=2", "note": "uses ghp_AbCdEfGhIjKlMnOpQrStUvWx"},
     }
     assert tracking.redact(config, secrets) == {
         "api_key": "[redacted]", "hub_token": None, "lr": 3e-3,
@@ -136,6 +177,96 @@ def test_redaction_rules(monkeypatch):
         {"credentials": "[redacted]", "out": "/runs/[redacted]"}
     # a tokenizer is not a token
     assert tracking.redact({"tokenizer_name_or_path": "gpt2"}, []) == {"tokenizer_name_or_path": "gpt2"}
+
+
+# Each credential shape, as issued (made-up values of the real format), inside an option's text.
+TOKENS = {
+    "Hugging Face": "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",
+    "OpenAI": "sk-proj-A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8S9t0",
+    "OpenAI, older": "sk-Zx9Yw8Vu7Ts6Rq5Po4Nm3Lk2Jh1GfEdCbAz0Yx9Wv8Ut7",
+    "Anthropic": "sk-ant-api03-AbCdEf_GhIjKl-MnOpQrStUvWxYz0123456789",
+    "GitHub classic": "ghp_Ab1Cd2Ef3Gh4Ij5Kl6Mn7Op8Qr9St0Uv1Wx2",
+    "GitHub OAuth": "gho_Ab1Cd2Ef3Gh4Ij5Kl6Mn7Op8Qr9St0Uv1Wx2",
+    "GitHub fine-grained": "github_pat_11ABCDEFG0abcdefghijkl_MnOpQrStUvWxYz0123456789AbCdEfGhIjKlMnOpQrStUvWx",
+    "Slack bot": "xoxb-1234567890-1234567890123-AbCdEfGhIjKlMnOpQrStUvWx",
+    "Slack user": "xoxp-1234567890-1234567890-1234567890123-0123456789abcdef0123456789abcdef",
+    "Slack app": "xapp-1-A0123BCDEFG-1234567890123-abcdef0123456789",
+    "AWS access key id": "AKIAIOSFODNN7EXAMPLE",
+    "wandb": "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b",
+}
+# Text of a token's length or alphabet that is not one, as it appears in options and in checkpoint.json.
+NEAR_MISSES = [
+    "hf_finetunedsummarizationmodel", "/data/hf_datasets_cache/train.jsonl", "mask-experiment-with-long-name-v2",
+    "sk-learn-baseline-comparison", "task-AbCdEfGhIjKlMnOpQrStUv", "ghp_lowercaseonlywordsinaname",
+    "outputs/run-2026-12-05/checkpoints/step_20", "the token embeddings", "max_tokens=512 design=3",
+    "HuggingFaceTB/SmolLM2-135M", "/hub/models--gpt2/snapshots/607a30d783dfa663caf39e06633721c8d4cfcd7e/config.json",
+    "a" * 64, "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b9f86d081884c7d659a2feaa0",  # sha256 digests
+    "0f3c9a7d2b1e4f6a8c0d2e4f6a8b0c1d", "c0ffee1234567890",  # xxh3-128 and xxh3-64 digests
+]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("shape", TOKENS)
+def test_every_token_shape_is_redacted_wherever_it_stands(shape):
+    token = TOKENS[shape]
+    for text in (token, f"exp-{token}", f"/runs/{token}/x.txt", f"key: {token}.", f"a={token}&b=1"):
+        assert token not in tracking.redact_text(text, []), text
+    assert tracking.redact_text(f"exp-{token} (v2)", []) == "exp-[redacted] (v2)"  # the token, no more
+    assert tracking.redact({"run_name": f"exp-{token}"}, []) == {"run_name": "exp-[redacted]"}
+
+
+@pytest.mark.quick
+def test_words_paths_and_digests_of_a_tokens_shape_are_kept():
+    for text in NEAR_MISSES:
+        assert tracking.redact_text(text, []) == text
+    # checkpoint.json as the save writes it: its checksums and a chat template's digest pass unchanged
+    meta = {"step": 20, "tokens_seen": 10240, "checksum": "xxh3_128",
+            "checksums": {"model.safetensors": "0f3c9a7d2b1e4f6a8c0d2e4f6a8b0c1d", "optimizer.bin": "1" * 32},
+            "data": {"chat_template_sha256": "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b9f86d081884c7d659a2feaa0",
+                     "train_blocks": 1234}, "metadata_checksum": "e3b0c44298fc1c149afbf4c8996fb924"}
+    assert tracking.redact_strings(meta, []) == meta
+    assert tracking.redact_strings({f"eval/{TOKENS['wandb']}/loss": 1.5, "tokens": [1, "hf_x"]}, []) == \
+        {"eval/[redacted]/loss": 1.5, "tokens": [1, "hf_x"]}  # keys too; no value dropped for its key's name
+
+
+@pytest.mark.quick
+def test_a_secret_on_the_command_line_is_warned_about_by_option(capsys):
+    argv = ["--preset", "debug", "--run_name", f"exp-{TOKENS['Hugging Face']}", "--data_files", "a.txt",
+            f"/d/{TOKENS['wandb']}.txt", f"--sample_prompt={TOKENS['GitHub classic']}"]
+    assert tracking.warn_command_line(argv, main_process=True) == ["--run_name", "--data_files", "--sample_prompt"]
+    err = capsys.readouterr().err
+    assert "warning: --run_name, --data_files, --sample_prompt on the command line holds" in err
+    assert "pass secrets through the environment" in err and "[redacted]" not in err
+    assert tracking.warn_command_line(["--run_name", "exp-1", "--preset", "debug"], main_process=True) == []
+    assert tracking.warn_command_line(argv, main_process=False) and not capsys.readouterr().err  # rank 0 alone
+
+
+@pytest.mark.quick
+def test_printed_lines_are_redacted_whole(monkeypatch):
+    """The recipe's stdout and stderr and the libraries' logging handlers on them."""
+    import io
+    import logging
+    import sys
+
+    out, err = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    handler = logging.StreamHandler()  # holds sys.stderr as it was: as transformers' handler does
+    logging.getLogger("some.library").addHandler(handler)
+    try:
+        tracking.redact_printed_lines()
+        print(f"resumed from /runs/{TOKENS['Hugging Face']}/checkpoints/step_20", flush=True)
+        logging.getLogger("some.library").warning("loading %s", TOKENS["OpenAI"])
+        sys.stderr.write(f"error: no file /d/{TOKENS['AWS access key id']}\n")
+        seen = []  # a library that patches write to capture the console (wandb's) sees the redacted text
+        patched = sys.stdout.write
+        sys.stdout.write = lambda text: (seen.append(text), patched(text))[1]
+        sys.stdout.write(TOKENS["GitHub classic"])
+    finally:
+        logging.getLogger("some.library").removeHandler(handler)
+    assert out.getvalue() == "resumed from /runs/[redacted]/checkpoints/step_20\n[redacted]"
+    assert seen == ["[redacted]"]
+    assert err.getvalue() == "loading [redacted]\nerror: no file /d/[redacted]\n"
 
 
 @pytest.mark.quick
@@ -207,11 +338,34 @@ def test_measuring_the_cpu_ceiling_leaves_the_global_rng_alone():
 
 
 @pytest.mark.quick
-def test_the_cpu_ceiling_shrinks_its_matmul_when_one_is_longer_than_a_burst():
+def test_the_cpu_ceiling_shrinks_its_matmul_when_one_is_longer_than_a_burst_but_not_below_512():
     """fp16 on a CPU without fp16 units ran one 1024 matmul in 2.1 s (the start-up measurement took
-    15 s): the size halves, from the time of one 256 matmul, until one fits in a burst."""
+    15 s): the size halves, from the best of three timings of a 256 matmul, until one fits in a
+    burst, down to 512: a loaded CPU once shrank it to 128, whose rate is far below the ceiling, and
+    the run reported MFU 242.9%."""
     tflops, size = metrics.measure_matmul_tflops(torch.device("cpu"), torch.float16, seconds=1e-6, bursts=1)
-    assert size == 128 and tflops > 0
+    assert size == metrics.MIN_MATMUL == 512 and tflops > 0
+
+
+@pytest.mark.quick
+def test_mfu_is_never_above_100_percent_a_peak_below_the_achieved_rate_is_dropped(tmp_path, capsys):
+    stats = metrics.interval_stats(steps=10, seconds=1.0, tokens_per_step=1000, world_size=1, flops_per_token=1e9,
+                                   peak_tflops_per_device=4.0, steps_left=0, step_times=[0.1])
+    assert stats["model_tflops_per_device"] == 10.0 and stats["mfu"] is None  # 250% of that peak: unknown
+    cfg = parse_train(["--max_steps", "2", "--warmup_steps", "0", "--log_every", "1", "--output_dir", str(tmp_path)])
+    accelerator = SimpleNamespace(is_main_process=True, num_processes=1, process_index=0,
+                                  device=torch.device("cpu"), log=lambda *args, **kwargs: None)
+    peak = {"tflops": 1e-9, "source": "measured float32 128x128 matmul, 2 threads"}  # far below any real rate
+    record = RunRecord(accelerator, cfg, {}, peak=peak, data={}, tokens_per_step=512, flops_per_token=1e6)
+    with record.training(0):
+        record.step(1, 1e-3, torch.tensor(2.0), torch.tensor(1.0), None)
+        record.interval(1)
+        record.step(2, 1e-3, torch.tensor(2.0), torch.tensor(1.0), None)
+        record.interval(2)
+    assert [t["mfu"] for t in record.summary["throughput"]] == [None, None]
+    assert record.summary["peak_flops_per_device"]["exceeded"]["step"] == 1
+    err = capsys.readouterr().err
+    assert err.count("warning: step 1: ") == 1 and "MFU is unknown for this run" in err
 
 
 def test_compile_gives_the_eager_losses(tmp_path, hf_home, train_run):

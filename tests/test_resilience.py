@@ -213,6 +213,67 @@ def test_sigterm_to_a_one_process_launcher_still_saves(tmp_path, hf_home):
     assert error_lines(text(logs), f"stopped: preempted (SIGTERM) at step {marker['step']}")
 
 
+# A long eval: once the model has trained, each held-out batch and each generated token takes 1 s
+# (tests/probes/sitecustomize.py), so the eval at step 10 (18 batches) would take 18 s to end by itself
+# (a big model's, minutes). A signal is answered within 4 batches (train_extras/data/assemble.py STOP_CHECK_EVERY).
+SLOW_EVAL = {"ACCELERATE_RECIPES_SLOW_EVAL": "1"}
+EVAL_ARGS = ["--max_steps", "20", "--eval_every", "10", "--log_every", "10", "--save_model", "false"]
+
+
+def signal_during_the_eval_at_step_10(proc, logs: Path, out: Path, ranks: list[int]) -> float:
+    """SIGTERM to the workers of `ranks` once step 10's interval line is out (its eval follows at
+    once); returns the seconds until the checkpoint and the requeue marker are both there."""
+    wait_for(lambda: "step 10/20" in text(logs, "stdout"), proc, "step 10's interval line")
+    workers = worker_pids(proc)
+    for pid in [workers[rank] for rank in ranks]:
+        os.kill(pid, signal.SIGTERM)
+    signalled = time.monotonic()
+    wait_for(lambda: (out / preemption.REQUEUE_MARKER).is_file(), proc, "the requeue marker", timeout=120)
+    return time.monotonic() - signalled
+
+
+def check_stopped_during_the_eval(out: Path, seconds: float) -> dict:
+    marker = json.loads((out / preemption.REQUEUE_MARKER).read_text())
+    assert marker["step"] == 10 and marker["checkpoint"] == str(out / "checkpoints" / "step_10"), marker
+    assert seconds < 12, seconds  # 4 batches of 1 s at most, then the save (the whole eval: 18 s)
+    meta = checkpoint.verify(out / "checkpoints" / "step_10")
+    assert meta["eval_pending"] is True  # the resumed run evaluates step 10 first
+    stopped = read_summary(out)
+    assert stopped["preempted"]["interrupted"] == "eval"
+    assert [e["step"] for e in stopped["eval"]] == [0]  # a part of the held-out set is no eval
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line)["kind"] == "eval"] == [0]
+    return marker
+
+
+def test_sigterm_during_a_long_eval_saves_within_seconds_and_the_resumed_run_evaluates_again(tmp_path, hf_home):
+    out, logs = tmp_path / "run", tmp_path / "logs"
+    args = DEBUG_ARGS + EVAL_ARGS + ["--output_dir", str(out)]
+    proc = start("train.py", args, hf_home, logs, env=SLOW_EVAL)
+    seconds = signal_during_the_eval_at_step_10(proc, logs, out, [0])
+    proc.wait(timeout=60)
+    check_stopped_during_the_eval(out, seconds)
+    assert "returned non-zero exit status 75" in text(logs)  # the worker's code, in the launcher's line
+    assert error_lines(text(logs), "stopped: preempted (SIGTERM) at step 10 during its eval: saved")
+    resumed = Run(out, launch("train.py", args + ["--resume_from_checkpoint", "auto"], hf_home))
+    assert [e["step"] for e in resumed.summary["eval"]] == [10, 20]
+    assert [row["step"] for row in resumed.summary["losses"]] == list(range(11, 21))
+
+
+def test_sigterm_to_one_rank_during_a_long_eval_stops_both_at_the_same_batch(tmp_path, hf_home):
+    """Rank 1 alone is signalled; rank 0 learns it from the vote every few eval batches and both
+    leave the eval together (a rank left inside it would wait in its next gather, then time out)."""
+    out, logs = tmp_path / "run", tmp_path / "logs"
+    args = TWO_RANK_ARGS + EVAL_ARGS + ["--output_dir", str(out)]
+    proc = start_two_processes("train.py", "ddp.yaml", args, hf_home, logs, env=SLOW_EVAL)
+    seconds = signal_during_the_eval_at_step_10(proc, logs, out, [1])
+    proc.wait(timeout=60)
+    marker = check_stopped_during_the_eval(out, seconds)
+    assert marker["signal"] == "another rank's signal"  # rank 0 writes it, and was not signalled itself
+    assert error_lines(text(logs), "stopped: preempted (SIGTERM) at step 10 during its eval: saved")
+    assert error_lines(text(logs), "stopped: preempted (another rank's signal) at step 10 during its eval: saved")
+
+
 # ---- 2. crash safety: faults injected at each phase of a save, and real SIGKILLs ----
 FAULT_ENV = "ACCELERATE_RECIPES_FAULT"  # read by the probes (tests/probes/sitecustomize.py)
 FAULT_ARGS = DEBUG_ARGS + ["--lr_schedule", "constant", "--warmup_steps", "1", "--eval_every", "0",

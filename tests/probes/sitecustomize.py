@@ -38,6 +38,10 @@ With ACCELERATE_RECIPES_DISK_FULL_AT=step_<N>, saving model weights into that st
 writes half the file and fails with ENOSPC (for machines where a test cannot mount a small tmpfs).
 With ACCELERATE_RECIPES_SLOW_DATA=<seconds>, rank 0's first datasets.map (its tokenising on first
 use) sleeps that long first: a corpus that takes longer to prepare than a collective may wait.
+With ACCELERATE_RECIPES_SLOW_EVAL=<seconds>, once the model has trained (a forward in training mode),
+every forward of it in eval mode (each held-out batch, each generated token) sleeps that long first:
+an eval or a sample that lasts minutes, as a big model's does (an eval before the first step, step 0's
+or a resumed run's, keeps its pace).
 With probes on, a streamed training loader's rows are recorded by content: {"stream_rows": [...]}.
 The CPU harness (scripts/cpu_harness) is chained when ACCELERATE_RECIPES_CPU_HARNESS=1.
 """
@@ -469,6 +473,21 @@ def _disk_full_at(folder_name: str) -> None:
     other.safe_save_file = full_disk_save_file
 
 
+def _slow_eval(seconds: float) -> None:
+    from torch import nn
+    from transformers import GenerationMixin, PreTrainedModel
+
+    def slow_call(self, *args, **kwargs):
+        if isinstance(self, GenerationMixin):  # the LM itself, not its inner model
+            if self.training:
+                _seen["trained"] = True
+            elif _seen.get("trained"):
+                time.sleep(seconds)
+        return nn.Module.__call__(self, *args, **kwargs)
+
+    PreTrainedModel.__call__ = slow_call
+
+
 if os.environ.get("ACCELERATE_RECIPES_DISK_FULL_AT"):
     _disk_full_at("." + os.environ["ACCELERATE_RECIPES_DISK_FULL_AT"] + ".partial")
 if os.environ.get("ACCELERATE_RECIPES_SLOW_DATA") and _rank() == 0 and "LOCAL_RANK" in os.environ:
@@ -479,5 +498,7 @@ if os.environ.get("ACCELERATE_RECIPES_CPUINFO_CACHE"):
 # launcher itself trains nothing, and importing transformers there would delay every launch by ~1 s.
 if PROBE_DIR and "ACCELERATE_MIXED_PRECISION" in os.environ:
     _install_probes()
+if os.environ.get("ACCELERATE_RECIPES_SLOW_EVAL") and "ACCELERATE_MIXED_PRECISION" in os.environ:
+    _slow_eval(float(os.environ["ACCELERATE_RECIPES_SLOW_EVAL"]))
 if FAULT:
     _install_faults()

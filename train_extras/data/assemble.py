@@ -136,12 +136,37 @@ def identity(cfg, tokenizer, kind: str) -> dict:
             "mixture": sources.identity(cfg) if cfg.data_mixture else None}
 
 
-def evaluate(model, loaders: dict, accelerator, max_batches: int = 0) -> dict:
+STOP_CHECK_EVERY = 4  # held-out batches between two calls of evaluate's `stop`
+
+
+class _UntilStopped:
+    """A held-out loader that ends early once `stop()`, asked by every rank at the same batch (every
+    STOP_CHECK_EVERY; on several processes a sync of its own), says so."""
+
+    def __init__(self, loader, stop):
+        self.loader, self.stop, self.stopped = loader, stop, False
+
+    def __iter__(self):
+        for i, batch in enumerate(self.loader):
+            if i % STOP_CHECK_EVERY == 0 and self.stop():
+                self.stopped = True
+                return
+            yield batch
+
+
+def evaluate(model, loaders: dict, accelerator, max_batches: int = 0, stop=None) -> dict | None:
     """common.model.evaluate on each source's held-out loader; the mixture's loss is their token mean.
-    One source ({"": loader}): its result as it is."""
-    if list(loaders) == [""]:
-        return modeling.evaluate(model, loaders[""], accelerator, max_batches)
-    scores = {name: modeling.evaluate(model, loader, accelerator, max_batches) for name, loader in loaders.items()}
+    One source ({"": loader}): its result as it is. `stop` (train.py: a preemption): True ends the
+    eval within STOP_CHECK_EVERY batches, with no result (None): the loss of a part of the held-out
+    set is not the held-out loss."""
+    scores = {}
+    for name, loader in loaders.items():
+        batches = _UntilStopped(loader, stop) if stop is not None else loader
+        scores[name] = modeling.evaluate(model, batches, accelerator, max_batches)
+        if stop is not None and batches.stopped:
+            return None
+    if list(scores) == [""]:
+        return scores[""]
     tokens = sum(r["tokens"] for r in scores.values())
     loss = sum(r["loss"] * r["tokens"] for r in scores.values()) / tokens if tokens else float("nan")
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens, "sources": scores}

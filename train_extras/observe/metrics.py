@@ -4,8 +4,10 @@ held-out loss should clear.
 Per log interval the recipe records tokens/s (global and per device), step time, MFU, memory per
 rank and an ETA; per step loss, lr, pre-clip gradient norm and the fp16 loss scale. MFU = the model
 FLOP/s a device achieves (flops_per_token x its tokens/s) over its peak: the datasheet's dense
-tensor-core figure for known GPUs, and on a CPU (which has no such table) a square matmul in the
-run's dtype measured once at start with the process's own threads.
+tensor-core figure for known GPUs, and on a CPU (which has no such table) a square matmul (512 or
+more) in the run's dtype measured once before training with the process's own threads, best of
+several bursts. MFU above 100% is never reported: the peak is then known to be wrong (a CPU busier
+when measured than when training), and the run says so and reports MFU as unknown from there on.
 
 (The held-out loss itself is common/model.py's evaluate, shared by every recipe.)
 """
@@ -100,15 +102,20 @@ def peak_tflops(device_name: str, precision: str) -> float | None:
     return gpu_peak(device_name, precision)[0]
 
 
+MIN_MATMUL = 512  # smaller, a matmul's rate is its overheads', not the device's: no honest peak
+
+
 def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, size: int = 1024, seconds: float = 0.1,
                           bursts: int = 5) -> tuple[float, int]:
     """Best rate of a size x size matmul in `dtype` (TFLOP/s) and the size used: best of `bursts`
     timed bursts of about `seconds` each after a warm-up of twice that, the practical ceiling of
     this device with this process's threads. (Noise only slows a burst down, so the best one is the
     estimate; a single short burst at start-up was measured up to 20% low.) Where one matmul alone
-    takes longer than a burst, the size halves (down to 128) until it fits: fp16 on a CPU without
-    fp16 units ran a 1024 one in 2.1 s, and the measurement took 15 s of every start-up (now 0.9 s,
-    at 512); the size is chosen from the time of one 256 matmul."""
+    takes longer than a burst, the size halves, down to MIN_MATMUL, chosen from the best of three
+    timings of a 256 matmul: fp16 on a CPU without fp16 units ran a 1024 one in 2.1 s (and the
+    measurement took 15 s of every start-up; at 512, 0.9 s). It never goes below MIN_MATMUL: on a
+    loaded CPU one slow timing once shrank it to 128, whose rate is a fraction of the real ceiling,
+    and the run reported MFU 242.9%."""
     rng = torch.Generator(device=device).manual_seed(0)  # never the global RNG: it seeds the model's init
 
     def burst(a, b, reps: int) -> float:
@@ -123,8 +130,8 @@ def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, size: int = 
 
     probe = torch.randn(256, 256, device=device, dtype=dtype, generator=rng)
     burst(probe, probe, 1)  # the first call pays for kernel choice (on a GPU, cuBLAS set-up): not timed
-    probe_seconds = burst(probe, probe, 1)
-    while size > 128 and probe_seconds * (size / 256) ** 3 > seconds:
+    probe_seconds = min(burst(probe, probe, 1) for _ in range(3))
+    while size > MIN_MATMUL and probe_seconds * (size / 256) ** 3 > seconds:
         size //= 2
     a = torch.randn(size, size, device=device, dtype=dtype, generator=rng)
     b = torch.randn(size, size, device=device, dtype=dtype, generator=rng)
@@ -151,10 +158,14 @@ def peak_flops(accelerator) -> dict:
 def interval_stats(*, steps: int, seconds: float, tokens_per_step: int, world_size: int, flops_per_token: float,
                    peak_tflops_per_device: float | None, steps_left: int, step_times: list[float]) -> dict:
     """Throughput of one log interval; `step_times` holds the mean step time of every interval so
-    far (this one included) and gives the ETA by its median (robust to an eval or a save)."""
+    far (this one included) and gives the ETA by its median (robust to an eval or a save). MFU is
+    None where the peak is unknown, and where the device did more than its peak (no device does:
+    the peak is wrong, say a CPU measured while other work shared it)."""
     tokens_per_s = steps * tokens_per_step / seconds
     per_device = tokens_per_s / world_size
     mfu = per_device * flops_per_token / (peak_tflops_per_device * 1e12) if peak_tflops_per_device else None
+    if mfu is not None and mfu > 1:  # above its peak: the peak is wrong (RunRecord says so, once)
+        mfu = None
     median_step = sorted(step_times)[len(step_times) // 2]
     return {
         "tokens_per_s": tokens_per_s,

@@ -101,6 +101,7 @@ class MetricsFile:
         if self.file is None:
             return
         try:
+            rows = tracking.redact_strings(rows)  # a mixture's source names are the user's
             self.file.write("".join(json.dumps({k: _finite_or_none(v) for k, v in row.items()}, allow_nan=False)
                                     + "\n" for row in rows))
             self.file.flush()  # to the OS: it survives this process; sync() makes it survive the machine
@@ -201,9 +202,10 @@ class RunRecord:
         """A mixture's result also holds each source's ("sources": {name: result}): eval/<name>/loss."""
         self.summary["eval"].append({"step": step, **result})
         sources = result.get("sources", {})
-        self.accelerator.log({"eval/loss": result["loss"], "eval/perplexity": result["perplexity"],
-                              **{f"eval/{name}/{key}": r[key] for name, r in sources.items()
-                                 for key in ("loss", "perplexity")}}, step=step)
+        self.accelerator.log(tracking.redact_strings({
+            "eval/loss": result["loss"], "eval/perplexity": result["perplexity"],
+            **{f"eval/{name}/{key}": r[key] for name, r in sources.items() for key in ("loss", "perplexity")}}),
+            step=step)
         self.metrics.write([{"kind": "eval", "step": step, **result, "time": now()}])
         if self.main:
             apart = "".join(f"  {name} {r['loss']:.4f}" for name, r in sources.items())
@@ -216,6 +218,9 @@ class RunRecord:
 
     def has_sample_at(self, step: int) -> bool:
         return bool(self.summary["samples"]) and self.summary["samples"][-1]["step"] == step
+
+    def has_eval_at(self, step: int) -> bool:
+        return bool(self.summary["eval"]) and self.summary["eval"][-1]["step"] == step
 
     # ---- training ----
     @contextlib.contextmanager
@@ -283,6 +288,8 @@ class RunRecord:
             steps=steps, seconds=elapsed, tokens_per_step=self.tokens_per_step,
             world_size=self.accelerator.num_processes, flops_per_token=self.flops_per_token,
             peak_tflops_per_device=self.peak_tflops, steps_left=self.cfg.max_steps - step, step_times=self.step_times)
+        if self.peak_tflops and stats["mfu"] is None:
+            self._peak_exceeded(step, stats["model_tflops_per_device"])
         memory = metrics.peak_memory(self.accelerator)
         experts = self._expert_load()
         self.summary["throughput"].append({"step": step, **stats, "memory_per_rank": memory, **experts})
@@ -299,6 +306,19 @@ class RunRecord:
                              tok_s=f"{stats['tokens_per_s']:,.0f}",
                              **({"mfu": f"{stats['mfu']:.1%}"} if stats["mfu"] is not None else {}))
         self.bar.update(steps)
+
+    def _peak_exceeded(self, step: int, achieved: float) -> None:
+        """A device did more than its peak: the peak is wrong, so no MFU of this run is (the summary's
+        earlier ones are dropped too; the lines already in metrics.jsonl and the trackers stay)."""
+        peak = self.summary["peak_flops_per_device"]
+        peak["exceeded"] = {"step": step, "model_tflops_per_device": achieved}
+        self.peak_tflops = None
+        for interval in self.summary["throughput"]:
+            interval["mfu"] = None
+        if self.main:
+            tqdm.write(f"warning: step {step}: {achieved:.3g} model TFLOP/s per device, above the peak MFU is "
+                       f"measured against ({peak['tflops']:.3g}, {peak['source']}): that peak is wrong (a CPU "
+                       "busier when it was measured than now?); MFU is unknown for this run", file=sys.stderr)
 
     def _expert_load(self) -> dict:
         """{"expert_load": per layer cv, max_share, min_share} over every rank's routing since the
@@ -323,8 +343,8 @@ class RunRecord:
 
     # ---- the end ----
     def _write(self, name: str) -> None:
-        if self.main:
-            write_json(f"{self.cfg.output_dir}/{name}", self.summary)
+        if self.main:  # no secret at rest: the samples' prompts, the paths, the names (observe/tracking.py)
+            write_json(f"{self.cfg.output_dir}/{name}", tracking.redact_strings(self.summary))
 
     def skipped_steps(self, **counts: int) -> None:
         """Steps the loop skipped, by cause (a NaN/inf loss, an fp16 overflow)."""

@@ -4,13 +4,29 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from common.export import unwrap
+
+STOP_CHECK_EVERY = 16  # generated tokens between two calls of sample_text's `stop`
+
+
+class _StopWhen(StoppingCriteria):
+    """Ends the generation when `stop()` (called by every rank at the same token) says so."""
+
+    def __init__(self, stop):
+        self.stop, self.tokens, self.stopped = stop, 0, False
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        self.tokens += 1
+        if not self.stopped and self.tokens % STOP_CHECK_EVERY == 0:
+            self.stopped = bool(self.stop())
+        return torch.full((input_ids.shape[0],), self.stopped, dtype=torch.bool, device=input_ids.device)
 
 
 @torch.no_grad()
 def sample_text(accelerator, model: nn.Module, tokenizer, prompt: str, max_new_tokens: int, seed: int,
-                temperature: float = 0.8, top_k: int = 200) -> str:
+                temperature: float = 0.8, top_k: int = 200, stop=None) -> str | None:
     """A continuation of `prompt` by the model being trained, through transformers' `generate`
     (temperature and top-k as nanoGPT's sample.py), to read what the model has learned.
 
@@ -24,6 +40,7 @@ def sample_text(accelerator, model: nn.Module, tokenizer, prompt: str, max_new_t
     unwrapped.eval()
     ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids.to(accelerator.device)
     devices = [accelerator.device] if accelerator.device.type == "cuda" else []
+    stopping = _StopWhen(stop) if stop is not None else None
     with torch.random.fork_rng(devices=devices), accelerator.autocast():
         torch.manual_seed(seed)
         out = unwrapped.generate(
@@ -34,7 +51,10 @@ def sample_text(accelerator, model: nn.Module, tokenizer, prompt: str, max_new_t
             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
             # ZeRO-3: a rank that stopped early must keep joining the others' parameter gathers
             synced_gpus=accelerator.distributed_type == DistributedType.DEEPSPEED and accelerator.num_processes > 1,
+            stopping_criteria=StoppingCriteriaList([stopping] if stopping else []),
         )
     unwrapped.train(was_training)
+    if stopping is not None and stopping.stopped:
+        return None
     return tokenizer.decode(out[0], skip_special_tokens=True)
 

@@ -53,6 +53,7 @@ from common.config import (ConfigError, TrainingError, data_file_list, data_para
                            same_on_every_rank, tensor_parallel_size)
 from common.files import write_json
 from train_extras import muon
+from train_extras.observe.tracking import redact, redact_strings
 from train_extras.parallel import tensor_parallel
 from train_extras.resume import safe_load
 from train_extras.resume.output_dir import disk_full, free_bytes
@@ -247,6 +248,13 @@ def saved_options(meta: dict, cfg) -> dict:
     return {**dataclasses.asdict(type(cfg)()), **BEFORE_THE_OPTION, **meta.get("config", {})}
 
 
+def recorded_options(cfg) -> dict:
+    """The options as checkpoint.json records them: secrets redacted (observe/tracking.py). A resume
+    compares this run's options in that form too (`_same_option`), so a redacted option is the same
+    option (a token in a URL that was rotated since included: it names the same data)."""
+    return redact(dataclasses.asdict(cfg))
+
+
 # What makes a stream the same stream: a resumed streamed run skips that many blocks of it.
 STREAM_IDENTITY = ("data_files", "dataset_name", "dataset_config", "dataset_split", "text_column", "txt_documents",
                    "add_bos", "seq_len", "seed", "tokenizer_name_or_path", "model_name_or_path", "document_mask")
@@ -294,7 +302,8 @@ def check_compatible(path: str | Path, cfg, accelerator, meta: dict) -> dict:
         raise ConfigError(f"{meta_file} was saved by a run with streaming {streamed[0]}, {saved_world} data ranks and "
                           f"micro-batch {streamed[2]}: a streamed run resumes only as it was (each rank's place in "
                           "its part of the stream is a count of its own micro-batches)")
-    changed = [key for key in STREAM_IDENTITY if cfg.streaming and saved_cfg.get(key) != getattr(cfg, key)]
+    changed = [key for key in STREAM_IDENTITY if cfg.streaming and not _same_option(saved_cfg.get(key),
+                                                                                     getattr(cfg, key))]
     if changed:
         raise ConfigError(f"{meta_file} streamed other data: --{', --'.join(changed)} differ; a streamed run resumes "
                           "by reading the same stream again up to its place")
@@ -305,9 +314,9 @@ def check_compatible(path: str | Path, cfg, accelerator, meta: dict) -> dict:
     now = files and {key: _resolved(getattr(cfg, key)) for key in files}
     changed = [key for key in TRAINED_ON + (() if files else ("data_files", "eval_data_files"))
                if key in saved_cfg and not _same_option(saved_cfg[key], getattr(cfg, key))]
-    changed += [key for key in files or () if files[key] != now[key]]
-    if changed:
-        shown = {**saved_cfg, **(files or {})}, {**vars(cfg), **(now or {})}
+    changed += [key for key in files or () if not _same_option(files[key], now[key])]
+    if changed:  # shown as recorded: secrets redacted
+        shown = {**saved_cfg, **(files or {})}, redact_strings({**vars(cfg), **(now or {})})
         diffs = ", ".join(f"--{key} {shown[0][key]!r} (this run: {shown[1][key]!r})" for key in changed)
         raise ConfigError(f"{meta_file} was trained with {diffs}: that would train on other data or from another "
                           "model, not continue this run; resume with the checkpoint's settings, or start afresh in "
@@ -330,8 +339,10 @@ def _resolved(paths: list[str] | None) -> list[str]:
 
 
 def _same_option(saved, this) -> bool:
-    """Equal, or the same local folder named two ways (a relative and an absolute path)."""
-    if saved == this:
+    """Equal, or equal to this value as checkpoint.json records it (secrets redacted; a checkpoint
+    saved before they were holds the value itself), or the same local folder named two ways (a
+    relative and an absolute path)."""
+    if saved == this or saved == redact_strings(this):
         return True
     return isinstance(saved, str) and isinstance(this, str) and os.path.isdir(this) and \
         os.path.realpath(saved) == os.path.realpath(this)
@@ -356,7 +367,7 @@ def check_same_data(path, meta: dict, data: dict) -> None:
                "chat_template_sha256": "another chat template rendered its conversations",
                "mixture": "its data mixture was another (sources, files or weights)"}
     for key, what in differs.items():
-        if saved.get(key) != data.get(key):
+        if not _same_option(saved.get(key), data.get(key)):  # recorded with secrets redacted
             raise ConfigError(f"{Path(path) / METADATA} was trained on other data: {what} from the same options; "
                               "resume on the same data, or start afresh in another --output_dir")
 

@@ -22,7 +22,10 @@ Who sends the signal, and to whom (accelerate 1.15 / torch 2.13, docs/toolchain.
 
 Every rank must stop after the same step, but each learns of the signal on its own, at a different
 moment. So each rank's "stop" vote rides along with the step's loss all-reduce (no extra
-collective, no extra host sync) and all ranks act on the sum.
+collective, no extra host sync) and all ranks act on the sum. An eval or a sample can outlast the
+grace period (minutes on a big model): it asks `stop_check` every few batches or tokens, a one-number
+all-reduce there, so every rank leaves it at the same point and the run saves at once
+(docs/checkpoints.md#preemption: what is saved, by where the signal lands).
 
 The marker (`<output_dir>/requeue.json`) is the contract with the scheduler: the worker's exit code
 does not survive `accelerate launch` (it returns 1 for any failure). A job script requeues when
@@ -44,6 +47,7 @@ import torch
 from common.config import ConfigError, RecipeStop, one_line
 from common.config import run_cli as config_run_cli
 from common.files import write_json
+from train_extras.observe.tracking import redact_strings
 from train_extras.resume.output_dir import disk_full, remove_unused
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -63,11 +67,13 @@ class PreemptionWatch:
     def __init__(self):
         self.signal_name: str | None = None
         self._vote: torch.Tensor | None = None
+        self.installed = False
 
     def install(self) -> PreemptionWatch:
         for sig in SIGNALS:
             signal.signal(sig, self._on_signal)
         _sigterm_when_the_launcher_dies()
+        self.installed = True
         return self
 
     def _on_signal(self, signum, frame):
@@ -83,6 +89,17 @@ class PreemptionWatch:
             self._vote = torch.zeros((), device=device)
         return self._vote.fill_(0.0 if self.signal_name is None else 1.0)
 
+    def stop_check(self, accelerator):
+        """For an eval or a sample, which can last minutes (longer than a grace period): a callable
+        saying whether any rank was signalled, which every rank calls at the same batch or token.
+        On several processes it is a collective (a one-number all-reduce and its host sync), so the
+        ranks leave together; alone, the flag. None when signals are not watched."""
+        if not self.installed:
+            return None
+        if accelerator.num_processes == 1:
+            return lambda: self.signal_name is not None
+        return lambda: accelerator.reduce(self.vote(accelerator.device), "sum").item() > 0
+
 
 def _sigterm_when_the_launcher_dies() -> None:
     """Linux only: have the kernel send SIGTERM to this process when its parent (the launcher) exits."""
@@ -97,14 +114,15 @@ def _sigterm_when_the_launcher_dies() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def write_marker(output_dir: str | Path, step: int, checkpoint_path: Path, signal_name: str) -> Path:
-    return write_json(Path(output_dir) / REQUEUE_MARKER, {  # atomic: the scheduler never sees half a marker
+def write_marker(output_dir: str | Path, step: int, checkpoint_path: Path | None, signal_name: str) -> Path:
+    """checkpoint_path None: stopped before the first step, nothing to resume (auto starts afresh)."""
+    return write_json(Path(output_dir) / REQUEUE_MARKER, redact_strings({  # atomic: never half a marker
         "step": step,
-        "checkpoint": str(checkpoint_path),
+        "checkpoint": None if checkpoint_path is None else str(checkpoint_path),
         "signal": signal_name,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "resume_with": "--resume_from_checkpoint auto",
-    })
+    }))
 
 
 def clear_marker(output_dir: str | Path) -> None:
