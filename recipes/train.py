@@ -44,8 +44,11 @@ and gradient norms stay on the device until the log interval fetches them all at
 """
 
 import dataclasses
+import os
+import shutil
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -56,6 +59,7 @@ from accelerate.utils import (DistributedType, GradientAccumulationPlugin, GradS
 from common import config, data, guard
 from common import model as modeling
 from common.export import export_pretrained
+from common.files import partial_dir
 from train_extras import chunked_loss, conversations, data_at_scale, documents, mixture, moe, muon
 from train_extras.observe import flops, metrics, run_record
 from train_extras.observe.run_record import RunRecord
@@ -78,6 +82,7 @@ def main(argv=None):
     record = start_record(cfg, accelerator, train_data, facts)
     run = build(cfg, accelerator, tokenizer, train_data, facts, record)
     run.saved["tracker_run"] = record.start_trackers(resume_meta)
+    run.saved["run_id"] = checkpoint.run_id(cfg, resume_path, resume_meta, accelerator)
     start = restore(run, record, resume_path, resume_meta)
     if cfg.eval_only:  # the model as it is, on the held-out data: nothing trains or is saved
         result = mixture.evaluate(run.model, run.eval_loaders, accelerator, cfg.eval_batches)
@@ -87,7 +92,7 @@ def main(argv=None):
     record.open_metrics(start.step if resume_path is not None else None)
     if resume_path is None and cfg.eval_every > 0:
         evaluate(run, record, 0)
-    preempted = train(run, record, start, watch)
+    preempted, micro_batches_done = train(run, record, start, watch)
     if preempted:  # the grace period is short: the checkpoint and the record, no eval, no export
         record.preempted(preempted)
         end(accelerator)
@@ -95,7 +100,7 @@ def main(argv=None):
             f"preempted ({preempted['signal']}) at step {preempted['step']}: saved "
             f"{preempted['checkpoint']} and {cfg.output_dir}/{preemption.REQUEUE_MARKER}; "
             "rerun with --resume_from_checkpoint auto")
-    finish(run, record, start.step)
+    finish(run, record, start.step, micro_batches_done)
     end(accelerator)
 
 
@@ -148,8 +153,11 @@ def resume_point(cfg, accelerator):
     """(checkpoint folder, its checkpoint.json) to resume from, or (None, None), after every check
     that needs no model: each file's size and checksum (auto: the newest checkpoint that
     verifies), then the model, strategy, world size and batch, and the output folder's rules."""
+    existed = os.path.isdir(cfg.output_dir)
     if not cfg.eval_only:  # one live run per folder (an OS lock), before anything is written there
         output_dir.claim(cfg.output_dir, accelerator)
+        output_dir.check_ours(cfg)  # what a run replaces is the project's, before anything is
+        checkpoint.check_writable(cfg)
         if accelerator.is_main_process:
             # A requeued run has started: if it fails before it trains (say its checkpoint is
             # damaged), the job must not be requeued again and again for the old preemption.
@@ -160,6 +168,9 @@ def resume_point(cfg, accelerator):
     elif cfg.eval_only and not cfg.model_name_or_path:  # `auto` found nothing to evaluate
         raise config.ConfigError(
             f"--eval_only: no complete checkpoint in {cfg.output_dir}/checkpoints to evaluate")
+    elif cfg.resume_from_checkpoint == "auto" and accelerator.is_main_process:  # a mistyped folder too
+        print(f"note: --resume_from_checkpoint auto: no checkpoint in {cfg.output_dir}/checkpoints"
+              f"{'' if existed else ' (a new folder)'}; starting afresh", flush=True)
     if not cfg.eval_only:  # which writes no checkpoint, and its record apart (eval_summary.json)
         checkpoint.check_output_dir(cfg, meta["step"] if path is not None else 0)
         output_dir.check_not_finished(cfg, path)
@@ -367,9 +378,10 @@ def restore(run: Run, record: RunRecord, path, meta) -> Position:
 
 # ---- training ----
 
-def train(run: Run, record: RunRecord, start: Position, watch) -> dict | None:
+def train(run: Run, record: RunRecord, start: Position, watch) -> tuple[dict | None, int]:
     """The loop, from the step after `start` to --max_steps. Returns None, or what a preemption
-    left (its step, signal, checkpoint and requeue marker) when a signal stopped it early."""
+    left (its step, signal, checkpoint and requeue marker) when a signal stopped it early, and the
+    micro-batches done (the data position a checkpoint records)."""
     cfg, accelerator, optimizer = run.cfg, run.accelerator, run.optimizer
     run.model.train()
     if cfg.streaming:
@@ -420,7 +432,7 @@ def train(run: Run, record: RunRecord, start: Position, watch) -> dict | None:
                 preempted["checkpoint"] = str(saved)
                 break
     record.skipped_steps(nonfinite_loss=nonfinite.skipped, fp16_overflow=overflow.skipped)
-    return preempted
+    return preempted, micro_batches_done
 
 
 def forward_backward(run: Run, micro_batches: list, watch, record: RunRecord):
@@ -495,10 +507,10 @@ def sample(run: Run, record: RunRecord, step: int) -> None:
                                                        run.sample_prompt, cfg.sample_length, cfg.seed))
 
 
-def save(run: Run, record: RunRecord, step: int, micro_batches_done: int):
+def save(run: Run, record: RunRecord, step: int, micro_batches_done: int, **extra):
     record.sync()  # metrics.jsonl up to this checkpoint survives a crash of the machine too
     metadata = {"micro_batches_done": micro_batches_done,  # per rank: with batches_per_epoch,
-                "tokens_seen": step * record.tokens_per_step, **run.saved}  # the data position
+                "tokens_seen": step * record.tokens_per_step, **run.saved, **extra}  # the data position
     return checkpoint.save(run.accelerator, run.cfg.output_dir, step, keep=run.cfg.save_total_limit,
                            model=run.model, optimizer=run.optimizer, metadata=metadata)
 
@@ -577,20 +589,71 @@ class OverflowSkips:
 
 # ---- the end ----
 
-def finish(run: Run, record: RunRecord, start_step: int) -> None:
-    """The final model: eval, sample, export, run_summary.json and the last line."""
+def finish(run: Run, record: RunRecord, start_step: int, micro_batches_done: int) -> None:
+    """The final model: eval, sample, a checkpoint of the final step (the export must not cost the
+    run), export, run_summary.json and the last line."""
     cfg = run.cfg
     # Nothing trained: still report the final model (metrics.jsonl, closed, has the run's evals).
     if start_step >= cfg.max_steps and cfg.eval_every > 0:
         evaluate(run, record, cfg.max_steps)
     if cfg.sample_length and not record.has_sample_at(cfg.max_steps):  # --sample_at_eval may have
         sample(run, record, cfg.max_steps)
-    export = None
+    export, kept, for_export = None, None, False
     if cfg.save_model:  # export_dtype auto (None): the run's precision
+        kept, for_export = checkpoint_before_export(run, record, start_step, micro_batches_done)
         dtype = None if cfg.export_dtype == "auto" else getattr(torch, cfg.export_dtype)
-        export = export_pretrained(run.accelerator, run.model, run.tokenizer,
-                                   f"{cfg.output_dir}/model", dtype)
+        try:
+            export = export_pretrained(run.accelerator, run.model, run.tokenizer,
+                                       f"{cfg.output_dir}/model", dtype)
+        except Exception as err:
+            if not output_dir.disk_full(err):
+                raise
+            raise export_failed(run, err, kept) from None
     record.finished(export, start_step)
+    if for_export and cfg.save_every == 0:  # asked for no checkpoint: kept only until the export was
+        if run.accelerator.is_main_process:
+            checkpoint.remove(kept)
+            if not os.listdir(kept.parent):
+                kept.parent.rmdir()
+        run.accelerator.wait_for_everyone()
+
+
+def checkpoint_before_export(run: Run, record: RunRecord, start_step: int,
+                             micro_batches_done: int):
+    """(the checkpoint of the final step, whether it exists for the export alone). With --save_every
+    the loop saved it; when nothing trained, the resumed checkpoint is it; else (--save_every 0)
+    it is saved now, marked `for_export` (removed once the export is done, here or by the run that
+    resumes it). None: the disk had no room for it (the export, smaller, is still tried)."""
+    cfg, resumed = run.cfg, record.summary.get("resumed_from")
+    if start_step >= cfg.max_steps:
+        meta = checkpoint.read_metadata(resumed["path"])
+        own = output_dir.own_checkpoint(cfg.output_dir, resumed["path"])
+        return Path(resumed["path"]), own and meta.get("for_export", False)
+    if cfg.save_every:
+        return Path(cfg.output_dir) / checkpoint.CHECKPOINT_DIR / f"step_{cfg.max_steps}", False
+    try:
+        return save(run, record, cfg.max_steps, micro_batches_done, for_export=True), True
+    except checkpoint.DiskFull as err:
+        if run.accelerator.is_main_process:
+            print(f"warning: {err}; the export is tried all the same", flush=True)
+        return None, False
+
+
+def export_failed(run: Run, err: Exception, kept) -> config.ConfigError:
+    """The line for a disk that filled during the export, naming what truly exists."""
+    cfg = run.cfg
+    if run.accelerator.is_main_process:  # room for the next try
+        shutil.rmtree(partial_dir(f"{cfg.output_dir}/model"), ignore_errors=True)
+    if kept is None:
+        return config.ConfigError(
+            f"disk full while writing the export {cfg.output_dir}/model ({config.one_line(err)}): "
+            f"the export was not written and there was no room for a checkpoint of step "
+            f"{cfg.max_steps} either; {checkpoint.kept(cfg.output_dir)}")
+    return config.ConfigError(
+        f"disk full while writing the export {cfg.output_dir}/model ({config.one_line(err)}): the "
+        f"export was not written; the trained model is in the checkpoint {kept} (step "
+        f"{cfg.max_steps}): free space, then rerun with --resume_from_checkpoint {kept} "
+        f"--max_steps {cfg.max_steps} to export it")
 
 
 def end(accelerator) -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from common import config
 from common import model as modeling
+from common.export import MARKER, WRITTEN_BY
 from conftest import DEBUG_ARGS, ROOT, launch, load_recipe
 from train_extras.resume import output_dir, preemption
 
@@ -128,7 +129,14 @@ def finished_run(folder, summary: dict | None, export: bool = True):
     if export:  # what --eval_only can load (config and tokenizer; no model is built in these tests)
         modeling.model_config(TrainConfig(preset="debug"), 259).save_pretrained(folder / "model")
         build_tokenizer(TrainConfig()).save_pretrained(folder / "model")
+        mark_as_export(folder / "model")
     return folder
+
+
+def mark_as_export(folder):
+    """The marker common/export.py writes last into an export, listing its files."""
+    names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    (folder / MARKER).write_text(json.dumps({"written_by": WRITTEN_BY, "files": names}))
 
 
 def contents(folder) -> dict:

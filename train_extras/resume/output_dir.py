@@ -10,8 +10,13 @@ holder's host and PID, and exits 2 having written nothing. Only rank 0 locks, so
 run on a shared file system has one holder; the other ranks get the outcome by broadcast. A file
 system without locks (Lustre mounted without `-o flock`) gets a warning; the run goes on unguarded.
 A folder the run created and left holding only the lock (bad input found later) is removed.
+The lock is opened without following a symbolic link (O_NOFOLLOW): a `.run.lock` that is a link is
+one line, and what it points to is never opened, let alone truncated.
 
-`check_not_finished` then keeps a finished run from being overwritten: see its docstring.
+`check_ours` then refuses a folder where a name the run writes (model/, run_summary.json,
+metrics.jsonl, requeue.json) is taken by something this project did not write, with or without
+--overwrite_output_dir; and `check_not_finished` keeps a finished run from being overwritten: see
+their docstrings and docs/checkpoints.md#what-a-run-writes-into---output_dir.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pathlib import Path
 from accelerate.utils import broadcast_object_list
 
 from common.config import ConfigError, same_on_every_rank
+from common.export import not_an_export
 
 LOCK_FILE = ".run.lock"
 _held = []  # the locked descriptors: open until the process ends
@@ -54,8 +60,11 @@ def _lock(folder: Path) -> str | None:
         if not folder.exists():
             folder.mkdir(parents=True)
             _created.append(folder)
-        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as err:
+        if err.errno == errno.ELOOP:  # O_NOFOLLOW's answer: the lock is a symbolic link
+            return (f"--output_dir {folder}: {LOCK_FILE} is a symbolic link (to {os.readlink(folder / LOCK_FILE)}); "
+                    "a run never writes through one: remove the link, or choose another --output_dir")
         return f"--output_dir {folder}: cannot create or write it ({err.strerror}: {err.filename})"
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -92,6 +101,45 @@ def claim(folder: str | Path, accelerator) -> None:
         raise ConfigError(reason)
 
 
+SUMMARY, METRICS, REQUEUE, EXPORT = "run_summary.json", "metrics.jsonl", "requeue.json", "model"
+
+
+@same_on_every_rank()  # every rank reads the same folder
+def check_ours(cfg) -> None:
+    """Each name in --output_dir that a run replaces or deletes is this project's, or the run is
+    refused (--overwrite_output_dir included) in one line naming it: `model/` is an export with its
+    marker (common/export.py), run_summary.json a JSON object with its "recipe", metrics.jsonl empty or
+    starting with a JSON object with its "kind", requeue.json a JSON object with its "resume_with".
+    Any other name is never touched and stops nothing. (Checkpoints: checkpoint.py, by run id.)"""
+    folder = Path(cfg.output_dir)
+    found = []
+    export = not_an_export(folder / EXPORT)
+    if export:
+        found.append(f"{EXPORT}/ ({export})")
+    for name, key in ((SUMMARY, "recipe"), (METRICS, "kind"), (REQUEUE, "resume_with")):
+        why = _not_ours(folder / name, key)
+        if why:
+            found.append(f"{name} ({why})")
+    if found:
+        raise ConfigError(f"{folder} holds {'; '.join(found)}: this project did not write it, and a run here would "
+                          "replace it; move it away, or choose another --output_dir")
+
+
+def _not_ours(path: Path, key: str) -> str | None:
+    """None when `path` is missing or a file of ours (its first line, for metrics.jsonl); else why not."""
+    if not os.path.lexists(path):
+        return None
+    if path.is_symlink() or not path.is_file():
+        return "a symbolic link" if path.is_symlink() else "not a file"
+    try:
+        with open(path, "rb") as f:
+            text = f.readline() if path.name == METRICS else f.read()
+        value = json.loads(text) if text.strip() or path.name != METRICS else {key: None}
+    except (OSError, ValueError):
+        return "not JSON"
+    return None if isinstance(value, dict) and key in value else f"no {key!r} field"
+
+
 @same_on_every_rank()  # every rank reads the same folder
 def check_not_finished(cfg, resume_path: str | Path | None) -> None:
     """A finished run in --output_dir is not overwritten without --overwrite_output_dir: its
@@ -101,12 +149,17 @@ def check_not_finished(cfg, resume_path: str | Path | None) -> None:
     continues it; checkpoint.check_output_dir guards those), --eval_only's eval_summary.json (it never
     calls this). Every rank reads the same files: the output folder is on a file system they all see."""
     folder = Path(cfg.output_dir)
-    found = [name for name, finished in (("run_summary.json", _finished_summary(folder / "run_summary.json")),
-                                         ("model/", (folder / "model").is_dir())) if finished]
-    own = resume_path is not None and Path(resume_path).resolve().parent == (folder / "checkpoints").resolve()
+    found = [name for name, finished in ((SUMMARY, _finished_summary(folder / SUMMARY)),
+                                         (f"{EXPORT}/", (folder / EXPORT).is_dir())) if finished]
+    own = resume_path is not None and own_checkpoint(folder, resume_path)
     if found and not own and not cfg.overwrite_output_dir:
         raise ConfigError(f"{folder} holds a finished run ({', '.join(found)}): pass --overwrite_output_dir to "
                           "replace it, or choose another --output_dir")
+
+
+def own_checkpoint(folder: str | Path, checkpoint: str | Path) -> bool:
+    """Whether `checkpoint` is one of the checkpoints of the output folder `folder`."""
+    return Path(checkpoint).resolve().parent == (Path(folder) / "checkpoints").resolve()
 
 
 def _finished_summary(path: Path) -> bool:
@@ -114,7 +167,7 @@ def _finished_summary(path: Path) -> bool:
         summary = json.loads(path.read_text())
     except FileNotFoundError:
         return False
-    except (OSError, ValueError):  # written atomically, so not one of ours: not to be overwritten unread
+    except (OSError, ValueError):  # not ours: check_ours has refused it already
         return True
     return not (isinstance(summary, dict) and "preempted" in summary)
 
