@@ -607,7 +607,7 @@ def _unless_disk_full(write, accelerator, root: Path, partial: Path, final: Path
         if accelerator.is_main_process:
             shutil.rmtree(partial, ignore_errors=True)
         raise ConfigError(f"cannot write {final} ({next(f for f in failures if f and f.startswith('write:'))[6:]}): "
-                          f"the partial save was removed; {kept(root.parent, 'make it writable')}")
+                          f"{kept(root.parent, 'make it writable')}")
     if failure:
         raise mine
     rank = next(i for i, f in enumerate(failures) if f)
