@@ -227,27 +227,11 @@ def data_file_list(paths: list[str] | None) -> list[str]:
 
 
 # ---- parsing ----
-# The options that name a file or folder: a leading `~` is the home folder, as the shell would make
-# it, from YAML too (and from a quoted or `--opt=~/x` CLI value, which the shell leaves as it is).
-PATH_OPTIONS = ("config", "output_dir", "model_name_or_path", "tokenizer_name_or_path", "dataset_name", "data_files",
-                "eval_data_files", "resume_from_checkpoint", "chat_template", "data_mixture", "model", "output_file")
-
-
 class _OneLineErrorParser(HfArgumentParser):
     """argparse prints usage plus the error and exits; we raise so the recipe prints one line."""
 
     def error(self, message):
         raise ConfigError(f"{self.prog}: {message}")
-
-    def parse_known_args(self, args=None, namespace=None):
-        namespace, remaining = super().parse_known_args(args, namespace)
-        for name in PATH_OPTIONS:  # before the options' checks, which look at the files
-            value = getattr(namespace, name, None)
-            if isinstance(value, str):
-                setattr(namespace, name, os.path.expanduser(value))
-            elif isinstance(value, list):
-                setattr(namespace, name, [os.path.expanduser(v) if isinstance(v, str) else v for v in value])
-        return namespace, remaining
 
 
 def _yaml_to_argv(path: str, known: set[str], recipe: str, lists: set[str] = frozenset()) -> list[str]:

@@ -1,50 +1,18 @@
 """The Hugging Face export: a folder (safetensors + config + tokenizer) that any
-`AutoModelForCausalLM.from_pretrained` loads, written from the prepared model under any strategy.
-
-Its marker, MARKER inside the folder, lists the files the export wrote: a folder is an export of
-this project (which a later export may replace) only when it has the marker and no file beyond it
-(`not_an_export`). Anything else at that path, a user's `model/` package or a model they put there,
-is never replaced: the export refuses it in one line before it writes."""
+`AutoModelForCausalLM.from_pretrained` loads, written from the prepared model under any strategy."""
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import torch
 from accelerate.utils import DistributedType
 from torch import nn
 
-from common.config import ConfigError, tensor_parallel_size
+from common.config import tensor_parallel_size
 from common.files import partial_dir, recover_dir, replace_dir
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # accelerate's mixed precision -> weights
-MARKER = ".accelerate_recipes_export.json"
-WRITTEN_BY = "accelerate-recipes common/export.py"
-
-
-def not_an_export(folder: str | Path) -> str | None:
-    """None when `folder` is missing or an export this project wrote (its marker lists every file in
-    it); else what it is instead, in a few words naming what is there."""
-    folder = Path(folder)
-    if not os.path.lexists(folder):
-        return None
-    if folder.is_symlink() or not folder.is_dir():
-        return "a symbolic link" if folder.is_symlink() else "a file, not a folder"
-    present = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if not p.is_dir())
-    try:
-        marker = json.loads((folder / MARKER).read_text())
-        listed = set(marker["files"]) if marker.get("written_by") == WRITTEN_BY else None
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        listed = None
-    shown = ", ".join(present[:4]) + (f" and {len(present) - 4} more" if len(present) > 4 else "")
-    if listed is None:
-        return f"no export marker {MARKER}; holds {shown or 'nothing'}"
-    extra = [name for name in present if name not in listed and name != MARKER]
-    if extra:
-        return f"an export with files it did not write: {', '.join(extra[:4])}"
-    return None
 
 
 def export_pretrained(accelerator, model, tokenizer, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
@@ -57,10 +25,6 @@ def export_pretrained(accelerator, model, tokenizer, out_dir: str | Path, dtype:
     partial = partial_dir(out_dir)
     if accelerator.is_main_process:
         recover_dir(out_dir)  # what a killed export left, before any rank's save_pretrained creates `partial`
-    not_ours = not_an_export(out_dir)  # every rank: the same folder, the same answer
-    if not_ours:  # (train.py refuses it before training: output_dir.check_ours)
-        raise ConfigError(f"{out_dir} is not an export of this project ({not_ours}): it is not replaced; "
-                          "move it away, or choose another --output_dir")
     accelerator.wait_for_everyone()
     if accelerator.distributed_type == DistributedType.FSDP or tensor_parallel_size(accelerator) > 1:
         # FSDP2 with SHARDED_STATE_DICT: accelerator.get_state_dict returns an empty dict on rank 0
@@ -93,8 +57,6 @@ def export_pretrained(accelerator, model, tokenizer, out_dir: str | Path, dtype:
         # save_pretrained wrote the live weights' dtype (fp32 masters); from_pretrained must see the files'
         unwrapped.config.dtype = dtype  # (the model is done: nothing reads its config after the export)
         unwrapped.config.save_pretrained(partial)
-        written = sorted(p.relative_to(partial).as_posix() for p in partial.rglob("*") if p.is_file())
-        (partial / MARKER).write_text(json.dumps({"written_by": WRITTEN_BY, "files": written}, indent=1))
     accelerator.wait_for_everyone()  # every rank is out of save_pretrained (it lists `partial`) before it moves
     if accelerator.is_main_process:
         replace_dir(out_dir)

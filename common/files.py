@@ -46,12 +46,10 @@ def recover_dir(path: str | os.PathLike) -> None:
     one never arrived (`.old` only ever names a whole folder), then every leftover removed."""
     path = Path(path)
     old = path.with_name(f".{path.name}.old")
-    if not os.path.lexists(path) and old.is_dir() and not old.is_symlink():
+    if not path.exists() and old.is_dir():
         old.rename(path)
     for leftover in (partial_dir(path), old):
-        if leftover.is_symlink():  # not written by replace_dir: the link goes, never what it points to
-            leftover.unlink()
-        elif leftover.exists():
+        if leftover.exists():
             shutil.rmtree(leftover)  # (not ignoring errors: a stale file left here would be published)
 
 

@@ -605,6 +605,8 @@ def finish(run: Run, record: RunRecord, start_step: int, micro_batches_done: int
         try:
             export = export_pretrained(run.accelerator, run.model, run.tokenizer,
                                        f"{cfg.output_dir}/model", dtype)
+            if run.accelerator.is_main_process:  # ours: a later run may replace it
+                output_dir.mark_export(export)
         except Exception as err:
             if not output_dir.disk_full(err):
                 raise

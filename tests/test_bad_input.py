@@ -10,7 +10,6 @@ import pytest
 
 from common import config
 from common import model as modeling
-from common.export import MARKER, WRITTEN_BY
 from conftest import DEBUG_ARGS, ROOT, launch, load_recipe
 from train_extras.resume import output_dir, preemption
 
@@ -134,9 +133,8 @@ def finished_run(folder, summary: dict | None, export: bool = True):
 
 
 def mark_as_export(folder):
-    """The marker common/export.py writes last into an export, listing its files."""
-    names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
-    (folder / MARKER).write_text(json.dumps({"written_by": WRITTEN_BY, "files": names}))
+    """The marker train.py writes into its export, listing its files."""
+    output_dir.mark_export(folder)
 
 
 def contents(folder) -> dict:

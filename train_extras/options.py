@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -253,3 +254,16 @@ class TrainConfig(CompileOptions, SampleOptions, TrackingOptions, CheckpointOpti
     check_order = (FineTuneOptions, DocumentOptions, DataAtScaleOptions, ModelOptions, DataOptions, OptimizerOptions,
                    MuonOptions, LossOptions, MixtureOfExpertsOptions, AccumulationOptions, Fp16Options,
                    CheckpointOptions, TrackingOptions, SampleOptions)
+
+    def __post_init__(self):
+        for name in PATH_OPTIONS:  # before the checks, which look at the files
+            value = getattr(self, name)
+            setattr(self, name, [os.path.expanduser(v) for v in value] if isinstance(value, list)
+                    else value and os.path.expanduser(value))
+        super().__post_init__()
+
+
+# The options that name a file or folder: a leading `~` is the home folder, as the shell makes it, also
+# from YAML and from a quoted or `--option=~/x` value (which the shell leaves alone).
+PATH_OPTIONS = ("output_dir", "model_name_or_path", "tokenizer_name_or_path", "dataset_name", "data_files",
+                "eval_data_files", "resume_from_checkpoint", "chat_template", "data_mixture")

@@ -558,7 +558,7 @@ def kept(output_dir: str | Path, then: str = "free space (or quota)") -> str:
     """What a rerun can go on from, as it truly is (for the lines that stop a run)."""
     complete = list_complete(output_dir)
     if not complete:
-        return f"no complete checkpoint is in {Path(output_dir) / CHECKPOINT_DIR} (a rerun starts afresh)"
+        return f"no complete checkpoint is in {Path(output_dir) / CHECKPOINT_DIR}: {then} and rerun (it starts afresh)"
     return (f"{len(complete)} complete checkpoint(s) kept, the newest {complete[-1]}: {then} and rerun with "
             "--resume_from_checkpoint auto")
 
