@@ -11,7 +11,8 @@ Options: `python recipes/train.py --help` (or a YAML file with --config). `main`
 one named step each: configure -> Accelerator (+ start-up guard) -> resume point (checked before
 anything heavy) -> tokenizer and model config -> data -> the run's record -> model, optimizer,
 schedule, prepare -> restore the checkpoint -> train (forward, loss, backward, clip, step,
-schedule, log, eval, checkpoint) -> finish (eval, sample, Hugging Face export, run_summary.json).
+schedule, log, eval, checkpoint) -> finish (eval, sample, a checkpoint of the final step, Hugging
+Face export, run_summary.json).
 
 Models: a random-init Llama preset, or any causal LM folder or Hub id (--model_name_or_path:
 Llama, Qwen, Mistral, GPT-2, GPT-NeoX, Gemma...): FSDP2 shards by the model's own block class,
@@ -168,8 +169,8 @@ def resume_point(cfg, accelerator):
     elif cfg.eval_only and not cfg.model_name_or_path:  # `auto` found nothing to evaluate
         raise config.ConfigError(
             f"--eval_only: no complete checkpoint in {cfg.output_dir}/checkpoints to evaluate")
-    elif cfg.resume_from_checkpoint == "auto" and accelerator.is_main_process:  # a mistyped folder too
-        print(f"note: --resume_from_checkpoint auto: no checkpoint in {cfg.output_dir}/checkpoints"
+    elif cfg.resume_from_checkpoint == "auto" and not cfg.eval_only and accelerator.is_main_process:
+        print(f"note: --resume_from_checkpoint auto: no checkpoint in {cfg.output_dir}/checkpoints"  # mistyped?
               f"{'' if existed else ' (a new folder)'}; starting afresh", flush=True)
     if not cfg.eval_only:  # which writes no checkpoint, and its record apart (eval_summary.json)
         checkpoint.check_output_dir(cfg, meta["step"] if path is not None else 0)
@@ -598,47 +599,43 @@ def finish(run: Run, record: RunRecord, start_step: int, micro_batches_done: int
         evaluate(run, record, cfg.max_steps)
     if cfg.sample_length and not record.has_sample_at(cfg.max_steps):  # --sample_at_eval may have
         sample(run, record, cfg.max_steps)
-    export, kept, for_export = None, None, False
+    export = None
     if cfg.save_model:  # export_dtype auto (None): the run's precision
-        kept, for_export = checkpoint_before_export(run, record, start_step, micro_batches_done)
+        kept = checkpoint_before_export(run, record, start_step, micro_batches_done)
         dtype = None if cfg.export_dtype == "auto" else getattr(torch, cfg.export_dtype)
         try:
             export = export_pretrained(run.accelerator, run.model, run.tokenizer,
                                        f"{cfg.output_dir}/model", dtype)
-            if run.accelerator.is_main_process:  # ours: a later run may replace it
-                output_dir.mark_export(export)
         except Exception as err:
             if not output_dir.disk_full(err):
                 raise
             raise export_failed(run, err, kept) from None
+        if run.accelerator.is_main_process:  # ours: a later run may replace it
+            output_dir.mark_export(export)
     record.finished(export, start_step)
-    if for_export and cfg.save_every == 0:  # asked for no checkpoint: kept only until the export was
+    if cfg.save_every == 0:  # asked for no checkpoint: those kept for the export go now it is done
         if run.accelerator.is_main_process:
-            checkpoint.remove(kept)
-            if not os.listdir(kept.parent):
-                kept.parent.rmdir()
+            checkpoint.remove_for_export(cfg.output_dir, run.saved["run_id"])
         run.accelerator.wait_for_everyone()
 
 
 def checkpoint_before_export(run: Run, record: RunRecord, start_step: int,
-                             micro_batches_done: int):
-    """(the checkpoint of the final step, whether it exists for the export alone). With --save_every
-    the loop saved it; when nothing trained, the resumed checkpoint is it; else (--save_every 0)
-    it is saved now, marked `for_export` (removed once the export is done, here or by the run that
-    resumes it). None: the disk had no room for it (the export, smaller, is still tried)."""
+                             micro_batches_done: int) -> Path | None:
+    """The checkpoint of the final step. With --save_every the loop saved it; when nothing
+    trained, the resumed checkpoint is it; else (--save_every 0) it is saved now, marked
+    `for_export` (removed once an export is done). None: the disk had no room for it (the
+    export, smaller, is still tried)."""
     cfg, resumed = run.cfg, record.summary.get("resumed_from")
     if start_step >= cfg.max_steps:
-        meta = checkpoint.read_metadata(resumed["path"])
-        own = output_dir.own_checkpoint(cfg.output_dir, resumed["path"])
-        return Path(resumed["path"]), own and meta.get("for_export", False)
+        return Path(resumed["path"])
     if cfg.save_every:
-        return Path(cfg.output_dir) / checkpoint.CHECKPOINT_DIR / f"step_{cfg.max_steps}", False
+        return Path(cfg.output_dir) / checkpoint.CHECKPOINT_DIR / f"step_{cfg.max_steps}"
     try:
-        return save(run, record, cfg.max_steps, micro_batches_done, for_export=True), True
+        return save(run, record, cfg.max_steps, micro_batches_done, for_export=True)
     except checkpoint.DiskFull as err:
         if run.accelerator.is_main_process:
             print(f"warning: {err}; the export is tried all the same", flush=True)
-        return None, False
+        return None
 
 
 def export_failed(run: Run, err: Exception, kept) -> config.ConfigError:

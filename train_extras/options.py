@@ -13,12 +13,14 @@ from common.config import (AccumulationOptions, ConfigError, DataOptions, Fp16Op
 @dataclass
 class CheckpointOptions:
     save_every: int = field(
-        default=0, metadata={"help": "Save a resumable checkpoint every N optimizer steps (and at the end); 0 = no."})
-    save_total_limit: int = field(default=0, metadata={"help": "Keep only the newest N checkpoints; 0 = keep all."})
+        default=0, metadata={"help": "Save a resumable checkpoint every N optimizer steps (and at the end); 0 = none "
+                                     "kept (one of the final step is saved before the export and removed after it)."})
+    save_total_limit: int = field(
+        default=0, metadata={"help": "Keep the newest N of this run's checkpoints (never another run's); 0 = all."})
     resume_from_checkpoint: str | None = field(
         default=None,
-        metadata={"help": "'auto' (newest complete checkpoint in output_dir that verifies, else start afresh) or "
-                          "a checkpoint."})
+        metadata={"help": "'auto' (newest complete checkpoint in output_dir that verifies, else start afresh, "
+                          "said in one line) or a checkpoint."})
     verify_checkpoint: bool = field(
         default=True,
         metadata={"help": "Before resuming, check every checkpoint file's content against its xxh3 checksum "
@@ -28,7 +30,7 @@ class CheckpointOptions:
         metadata={"help": "Let this run replace a finished run in --output_dir (its run_summary.json, model/). "
                           "Without it such a folder is refused, unless the run resumes one of its checkpoints. The "
                           "old model/ stays until the new export replaces it whole; checkpoints past this run's "
-                          "start are still refused."})
+                          "start are still refused; files this project did not write are refused with it too."})
     save_on_preemption: bool = field(
         default=True,
         metadata={"help": "On SIGTERM/SIGUSR1: finish the step, save a checkpoint, write requeue.json, exit 75."})

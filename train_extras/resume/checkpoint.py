@@ -516,6 +516,21 @@ def _rotate(root: Path, run: str | None, keep: int) -> None:
               "rotates only this run's, those are kept", flush=True)
 
 
+def remove_for_export(output_dir: str | Path, run: str) -> None:
+    """Once the export is done (--save_every 0): this run's checkpoints saved only to keep the run
+    safe during it, and checkpoints/ if that leaves it empty."""
+    for path in list_complete(output_dir):
+        try:
+            meta = json.loads((path / METADATA).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(meta, dict) and meta.get("for_export") and meta.get("run_id") == run:
+            remove(path)
+    root = Path(output_dir) / CHECKPOINT_DIR
+    if root.is_dir() and not root.is_symlink() and not any(root.iterdir()):
+        root.rmdir()
+
+
 def remove(path: Path) -> None:
     """A complete checkpoint, renamed aside first: it is either whole or gone from the list."""
     trash = path.with_name(f".{path.name}.deleting")
