@@ -613,7 +613,7 @@ def finish(run: Run, record: RunRecord, start_step: int, micro_batches_done: int
         if run.accelerator.is_main_process:  # ours: a later run may replace it
             output_dir.mark_export(export)
     record.finished(export, start_step)
-    if cfg.save_every == 0:  # asked for no checkpoint: those kept for the export go now it is done
+    if cfg.save_model and cfg.save_every == 0:  # no checkpoint asked for: those kept for the export go
         if run.accelerator.is_main_process:
             checkpoint.remove_for_export(cfg.output_dir, run.saved["run_id"])
         run.accelerator.wait_for_everyone()
