@@ -195,6 +195,26 @@ def test_a_full_disk_at_the_export_keeps_a_checkpoint_that_a_rerun_exports(tmp_p
     assert not (out / "checkpoints").exists()  # --save_every 0: kept only until the export was done
 
 
+def test_no_room_for_the_checkpoint_nor_the_export_says_that_nothing_is_kept(tmp_path, monkeypatch, in_process,  # noqa: F811
+                                                                            capsys):
+    """The checkpoint before the export finds the disk full too: the export is still tried, and the
+    last line says that nothing is kept (before: "rerun with --resume_from_checkpoint auto")."""
+    out = tmp_path / "run"
+    monkeypatch.setattr(other, "safe_save_file", other.safe_save_file)
+    monkeypatch.setattr(modeling_utils, "safe_save_file", modeling_utils.safe_save_file)
+    sitecustomize._disk_full_at(".step_4.partial")
+    sitecustomize._disk_full_at(".model.partial")
+    assert run_train_py(SHORT + ["--max_steps", "4", "--output_dir", str(out)]) == 2
+    nothing = f"no complete checkpoint is in {out / 'checkpoints'}: free space (or quota) and rerun (it starts afresh)"
+    said, err = capsys.readouterr()
+    warned = [line for line in said.splitlines() if line.startswith("warning: disk full while saving")]
+    assert len(warned) == 1 and warned[0].endswith(f"{nothing}; the export is tried all the same"), said[-2000:]
+    assert err.startswith(f"error: disk full while writing the export {out}/model (") and err.count("\n") == 1, err
+    assert err.endswith(f"the export was not written and there was no room for a checkpoint of step 4 either; "
+                        f"{nothing}\n"), err
+    assert checkpoint.list_complete(out) == [] and not (out / "model").exists()
+
+
 # ---- `auto` with nothing to resume; `~` ----
 def test_auto_with_nothing_to_resume_says_so_and_starts_and_a_save_every_0_run_leaves_no_checkpoint(
         tmp_path, in_process, capsys):  # noqa: F811
