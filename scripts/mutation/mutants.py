@@ -194,7 +194,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         id="rotation-takes-another-runs",
         file="train_extras/resume/checkpoint.py",
-        old="(mine if run is not None and _run_of(path) == run else others).append(path)",
+        old="(mine if run is not None and _saved(path).get(\"run_id\") == run else others).append(path)",
         new="mine.append(path)",
         what="rotation deletes another run's checkpoints in the folder (issue 42), not only this run's",
         tests=("tests/test_output_folder.py::test_rotation_removes_only_this_runs_checkpoints_and_says_so_once",),

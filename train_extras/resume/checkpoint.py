@@ -106,11 +106,13 @@ def run_id(cfg, path: Path | None, meta: dict | None, accelerator) -> str:
     return broadcast_object_list([new])[0] if accelerator.num_processes > 1 else new
 
 
-def _run_of(path: Path) -> str | None:
+def _saved(path: Path) -> dict:
+    """A checkpoint's checkpoint.json as it is ({} if unreadable: then nothing of it is this run's)."""
     try:
-        return json.loads((path / METADATA).read_text()).get("run_id")
-    except (OSError, ValueError, AttributeError):
-        return None
+        meta = json.loads((path / METADATA).read_text())
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def metadata_digest(meta: dict) -> str:
@@ -447,7 +449,8 @@ def _fsync_dir(folder: Path) -> None:
 
 def save(accelerator, output_dir: str | Path, step: int, metadata: dict, keep: int = 0,
          model=None, optimizer=None) -> Path:
-    """Write step_<step> atomically (all ranks call this), then rotate old checkpoints.
+    """Write step_<step> atomically (all ranks call this), then rotate old checkpoints: with `keep`,
+    the newest `keep` of those whose run id is metadata["run_id"] are kept (another run's all are).
 
     Under tensor parallelism the model and optimizer are not accelerate's (train_extras/parallel/tensor_parallel.py):
     pass them, and their shards go to torch.distributed.checkpoint next to save_state's files."""
@@ -506,7 +509,7 @@ def _rotate(root: Path, run: str | None, keep: int) -> None:
     """Keep the newest `keep` of this run's checkpoints; another run's stay, said once."""
     mine, others = [], []
     for path in list_complete(root.parent):
-        (mine if run is not None and _run_of(path) == run else others).append(path)
+        (mine if run is not None and _saved(path).get("run_id") == run else others).append(path)
     for old in mine[:-keep]:
         remove(old)
     if others and root not in _told:
@@ -520,11 +523,7 @@ def remove_for_export(output_dir: str | Path, run: str) -> None:
     """Once the export is done (--save_every 0): this run's checkpoints saved only to keep the run
     safe during it, and checkpoints/ if that leaves it empty."""
     for path in list_complete(output_dir):
-        try:
-            meta = json.loads((path / METADATA).read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(meta, dict) and meta.get("for_export") and meta.get("run_id") == run:
+        if _saved(path).get("for_export") and _saved(path).get("run_id") == run:
             remove(path)
     root = Path(output_dir) / CHECKPOINT_DIR
     if root.is_dir() and not root.is_symlink() and not any(root.iterdir()):

@@ -37,6 +37,7 @@ from common.files import write_json
 LOCK_FILE = ".run.lock"
 _held = []  # the locked descriptors: open until the process ends
 _created = []  # folders this run made (remove_unused)
+claimed = []  # the folder this process's run writes into (the last line of a failure names what it holds)
 
 
 def remove_unused() -> None:
@@ -102,9 +103,6 @@ def claim(folder: str | Path, accelerator) -> None:
     claimed.append(Path(folder))
 
 
-claimed = []  # the folder this process's run writes into (the last line of a failure names what it holds)
-
-
 SUMMARY, METRICS, REQUEUE, EXPORT = "run_summary.json", "metrics.jsonl", "requeue.json", "model"
 # The export's marker: written into model/ when train.py's export is in place, listing its files. A
 # folder at model/ is this project's export (a later run may replace it) only with the marker and no
@@ -148,8 +146,8 @@ def not_an_export(folder: str | Path) -> str | None:
 @same_on_every_rank()  # every rank reads the same folder
 def check_ours(cfg) -> None:
     """Each name in --output_dir that a run replaces or deletes is this project's, or the run is
-    refused (--overwrite_output_dir included) in one line naming it: `model/` is an export with its
-    marker (common/export.py), run_summary.json a JSON object with its "recipe", metrics.jsonl empty or
+    refused (--overwrite_output_dir included) in one line naming it: `model/` an export with its
+    marker (MARKER, above), run_summary.json a JSON object with its "recipe", metrics.jsonl empty or
     starting with a JSON object with its "kind", requeue.json a JSON object with its "resume_with".
     Any other name is never touched and stops nothing. (Checkpoints: checkpoint.py, by run id.)"""
     folder = Path(cfg.output_dir)
