@@ -11,7 +11,8 @@ Options: `python recipes/train.py --help` (or a YAML file with --config). `main`
 one named step each: configure -> Accelerator (+ start-up guard) -> resume point (checked before
 anything heavy) -> tokenizer and model config -> data -> the run's record -> model, optimizer,
 schedule, prepare -> restore the checkpoint -> train (forward, loss, backward, clip, step,
-schedule, log, eval, checkpoint) -> finish (eval, sample, Hugging Face export, run_summary.json).
+schedule, log, eval, checkpoint) -> finish (eval, sample, a checkpoint of the final step, Hugging
+Face export, run_summary.json).
 
 Models: a random-init Llama preset, or any causal LM folder or Hub id (--model_name_or_path:
 Llama, Qwen, Mistral, GPT-2, GPT-NeoX, Gemma...): FSDP2 shards by the model's own block class,
@@ -47,8 +48,10 @@ and gradient norms stay on the device until the log interval fetches them all at
 
 import dataclasses
 import os
+import shutil
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -59,6 +62,7 @@ from accelerate.utils import (DistributedType, GradientAccumulationPlugin, GradS
 from common import config, data, guard
 from common import model as modeling
 from common.export import export_pretrained
+from common.files import partial_dir
 from train_extras import chunked_loss, moe, muon
 from train_extras.data import assemble, at_scale, packing, render
 from train_extras.observe import flops, metrics, run_record, tracking
@@ -81,6 +85,7 @@ def main(argv=None):
     record = start_record(cfg, accelerator, train_data, facts)
     run = build(cfg, accelerator, tokenizer, train_data, facts, record)
     run.saved["tracker_run"] = record.start_trackers(resume_meta)
+    run.saved["run_id"] = checkpoint.run_id(cfg, resume_path, resume_meta, accelerator)
     start = restore(run, record, resume_path, resume_meta)
     if cfg.eval_only:  # the model as it is, on the held-out data: nothing trains or is saved
         result = assemble.evaluate(run.model, run.eval_loaders, accelerator, cfg.eval_batches)
@@ -155,8 +160,11 @@ def resume_point(cfg, accelerator):
     """(checkpoint folder, its checkpoint.json) to resume from, or (None, None), after every check
     that needs no model: each file's size and checksum (auto: the newest checkpoint that
     verifies), then the model, strategy, world size and batch, and the output folder's rules."""
+    existed = os.path.isdir(cfg.output_dir)
     if not cfg.eval_only:  # one live run per folder (an OS lock), before anything is written there
         output_dir.claim(cfg.output_dir, accelerator)
+        output_dir.check_ours(cfg)  # what a run replaces is the project's, before anything is
+        checkpoint.check_writable(cfg)
         if accelerator.is_main_process:
             # A requeued run has started: if it fails before it trains (say its checkpoint is
             # damaged), the job must not be requeued again and again for the old preemption.
@@ -167,6 +175,9 @@ def resume_point(cfg, accelerator):
     elif cfg.eval_only and not cfg.model_name_or_path:  # `auto` found nothing to evaluate
         raise config.ConfigError(
             f"--eval_only: no complete checkpoint in {cfg.output_dir}/checkpoints to evaluate")
+    elif cfg.resume_from_checkpoint == "auto" and not cfg.eval_only and accelerator.is_main_process:
+        print(f"note: --resume_from_checkpoint auto: no checkpoint in {cfg.output_dir}/checkpoints"  # mistyped?
+              f"{'' if existed else ' (a new folder)'}; starting afresh", flush=True)
     if not cfg.eval_only:  # which writes no checkpoint, and its record apart (eval_summary.json)
         checkpoint.check_output_dir(cfg, meta["step"] if path is not None else 0)
         output_dir.check_not_finished(cfg, path)
@@ -376,8 +387,9 @@ def restore(run: Run, record: RunRecord, path, meta) -> Position:
 # ---- training ----
 
 def train(run: Run, record: RunRecord, start: Position, watch) -> tuple[dict | None, int]:
-    """The loop, from the step after `start` to --max_steps. Returns (None, or what a preemption
-    left when a signal stopped it early: its step, signal and checkpoint; the micro-batches done)."""
+    """The loop, from the step after `start` to --max_steps. Returns None, or what a preemption
+    left (its step, signal, checkpoint and requeue marker) when a signal stopped it early, and the
+    micro-batches done (the data position a checkpoint records)."""
     cfg, accelerator, optimizer = run.cfg, run.accelerator, run.optimizer
     run.model.train()
     if cfg.streaming:
@@ -423,7 +435,7 @@ def train(run: Run, record: RunRecord, start: Position, watch) -> tuple[dict | N
                                                      or step == cfg.max_steps)):
                     # an eval cut short is done again by the resumed run, before its first step
                     saved = save(run, record, step, micro_batches_done,
-                                 eval_pending=interrupted == "eval")
+                                 **({"eval_pending": True} if interrupted == "eval" else {}))
             if preempted:
                 preempted["checkpoint"] = str(saved)
                 break
@@ -515,11 +527,10 @@ def sample(run: Run, record: RunRecord, step: int, watch) -> str | None:
     return None
 
 
-def save(run: Run, record: RunRecord, step: int, micro_batches_done: int, eval_pending: bool = False):
+def save(run: Run, record: RunRecord, step: int, micro_batches_done: int, **extra):
     record.sync()  # metrics.jsonl up to this checkpoint survives a crash of the machine too
     metadata = {"micro_batches_done": micro_batches_done,  # per rank: with batches_per_epoch,
-                "tokens_seen": step * record.tokens_per_step, **run.saved,  # the data position
-                **({"eval_pending": True} if eval_pending else {})}
+                "tokens_seen": step * record.tokens_per_step, **run.saved, **extra}  # the data position
     return checkpoint.save(run.accelerator, run.cfg.output_dir, step, keep=run.cfg.save_total_limit,
                            model=run.model, optimizer=run.optimizer, metadata=metadata)
 
@@ -599,9 +610,10 @@ class OverflowSkips:
 # ---- the end ----
 
 def finish(run: Run, record: RunRecord, start_step: int, watch, micro_batches_done: int) -> dict | None:
-    """The final model: eval, sample, export, run_summary.json and the last line. Returns None, or
-    what a preemption left when a signal interrupted the eval or the sample: the trained model is
-    saved at --max_steps (unless that checkpoint exists), and the requeued run exports it."""
+    """The final model: eval, sample, a checkpoint of the final step (the export must not cost the
+    run), export, run_summary.json and the last line. Returns None, or what a preemption left when a
+    signal interrupted the eval or the sample: the trained model is saved at --max_steps (unless that
+    checkpoint exists), and the requeued run exports it."""
     cfg = run.cfg
     interrupted = None
     # Nothing trained: still report the final model (metrics.jsonl, closed, has the run's evals).
@@ -619,10 +631,22 @@ def finish(run: Run, record: RunRecord, start_step: int, watch, micro_batches_do
                 "interrupted": interrupted, "checkpoint": str(saved)}
     export = None
     if cfg.save_model:  # export_dtype auto (None): the run's precision
+        kept = checkpoint_before_export(run, record, start_step, micro_batches_done)
         dtype = None if cfg.export_dtype == "auto" else getattr(torch, cfg.export_dtype)
-        export = export_pretrained(run.accelerator, run.model, run.tokenizer,
-                                   f"{cfg.output_dir}/model", dtype)
+        try:
+            export = export_pretrained(run.accelerator, run.model, run.tokenizer,
+                                       f"{cfg.output_dir}/model", dtype)
+        except Exception as err:
+            if not output_dir.disk_full(err):
+                raise
+            raise export_failed(run, err, kept) from None
+        if run.accelerator.is_main_process:  # ours: a later run may replace it
+            output_dir.mark_export(export)
     record.finished(export, start_step)
+    if cfg.save_model and cfg.save_every == 0:  # no checkpoint asked for: those kept for the export go
+        if run.accelerator.is_main_process:
+            checkpoint.remove_for_export(cfg.output_dir, run.saved["run_id"])
+        run.accelerator.wait_for_everyone()
     return None
 
 
@@ -643,6 +667,42 @@ def stop_preempted(run: Run, record: RunRecord, preempted: dict) -> None:
     raise preemption.Preempted(
         f"preempted ({preempted['signal']}) at step {step}{during}: saved {saved} and "
         f"{cfg.output_dir}/{preemption.REQUEUE_MARKER}; rerun with --resume_from_checkpoint auto")
+
+
+def checkpoint_before_export(run: Run, record: RunRecord, start_step: int,
+                             micro_batches_done: int) -> Path | None:
+    """The checkpoint of the final step. With --save_every the loop saved it; when nothing
+    trained, the resumed checkpoint is it; else (--save_every 0) it is saved now, marked
+    `for_export` (removed once an export is done). None: the disk had no room for it (the
+    export, smaller, is still tried)."""
+    cfg, resumed = run.cfg, record.summary.get("resumed_from")
+    if start_step >= cfg.max_steps:
+        return Path(resumed["path"])
+    if cfg.save_every:
+        return Path(cfg.output_dir) / checkpoint.CHECKPOINT_DIR / f"step_{cfg.max_steps}"
+    try:
+        return save(run, record, cfg.max_steps, micro_batches_done, for_export=True)
+    except checkpoint.DiskFull as err:
+        if run.accelerator.is_main_process:
+            print(f"warning: {err}; the export is tried all the same", flush=True)
+        return None
+
+
+def export_failed(run: Run, err: Exception, kept) -> config.ConfigError:
+    """The line for a disk that filled during the export, naming what truly exists."""
+    cfg = run.cfg
+    if run.accelerator.is_main_process:  # room for the next try
+        shutil.rmtree(partial_dir(f"{cfg.output_dir}/model"), ignore_errors=True)
+    if kept is None:
+        return config.ConfigError(
+            f"disk full while writing the export {cfg.output_dir}/model ({config.one_line(err)}): "
+            f"the export was not written and there was no room for a checkpoint of step "
+            f"{cfg.max_steps} either; {checkpoint.kept(cfg.output_dir)}")
+    return config.ConfigError(
+        f"disk full while writing the export {cfg.output_dir}/model ({config.one_line(err)}): the "
+        f"export was not written; the trained model is in the checkpoint {kept} (step "
+        f"{cfg.max_steps}): free space, then rerun with --resume_from_checkpoint {kept} "
+        f"--max_steps {cfg.max_steps} to export it")
 
 
 def end(accelerator) -> None:

@@ -128,7 +128,13 @@ def finished_run(folder, summary: dict | None, export: bool = True):
     if export:  # what --eval_only can load (config and tokenizer; no model is built in these tests)
         modeling.model_config(TrainConfig(preset="debug"), 259).save_pretrained(folder / "model")
         build_tokenizer(TrainConfig()).save_pretrained(folder / "model")
+        mark_as_export(folder / "model")
     return folder
+
+
+def mark_as_export(folder):
+    """The marker train.py writes into its export, listing its files."""
+    output_dir.mark_export(folder)
 
 
 def contents(folder) -> dict:

@@ -273,7 +273,12 @@ def test_a_disk_that_fills_is_one_line_and_keeps_the_complete_checkpoints(which,
         complete = checkpoint.list_complete(out)
         assert [p.name for p in complete] == (["step_10"] if step == 20 else [])
         assert all(checkpoint.verify(p) for p in complete)  # whole, content and all
-        assert f"{len(complete)} complete checkpoint(s) kept" in ours[0] or "nothing was written" in ours[0]
+        if complete:  # what a rerun goes on from, named; or that there is nothing (not "rerun with auto")
+            assert ours[0].endswith(f"1 complete checkpoint(s) kept, the newest {complete[-1]}: free space (or quota) "
+                                    "and rerun with --resume_from_checkpoint auto"), ours[0]
+        else:
+            assert ours[0].endswith(f"no complete checkpoint is in {out / 'checkpoints'}: free space (or quota) and "
+                                    "rerun (it starts afresh)"), ours[0]
         assert not list((out / "checkpoints").glob(".step_*"))  # no partial left behind
     finally:
         if mounted:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -12,12 +13,14 @@ from common.config import (AccumulationOptions, ConfigError, DataOptions, Fp16Op
 @dataclass
 class CheckpointOptions:
     save_every: int = field(
-        default=0, metadata={"help": "Save a resumable checkpoint every N optimizer steps (and at the end); 0 = no."})
-    save_total_limit: int = field(default=0, metadata={"help": "Keep only the newest N checkpoints; 0 = keep all."})
+        default=0, metadata={"help": "Save a resumable checkpoint every N optimizer steps (and at the end); 0 = none "
+                                     "kept (one of the final step is saved before the export and removed after it)."})
+    save_total_limit: int = field(
+        default=0, metadata={"help": "Keep the newest N of this run's checkpoints (never another run's); 0 = all."})
     resume_from_checkpoint: str | None = field(
         default=None,
-        metadata={"help": "'auto' (newest complete checkpoint in output_dir that verifies, else start afresh) or "
-                          "a checkpoint."})
+        metadata={"help": "'auto' (newest complete checkpoint in output_dir that verifies, else start afresh, "
+                          "said in one line) or a checkpoint."})
     verify_checkpoint: bool = field(
         default=True,
         metadata={"help": "Before resuming, check every checkpoint file's content against its xxh3 checksum "
@@ -27,7 +30,7 @@ class CheckpointOptions:
         metadata={"help": "Let this run replace a finished run in --output_dir (its run_summary.json, model/). "
                           "Without it such a folder is refused, unless the run resumes one of its checkpoints. The "
                           "old model/ stays until the new export replaces it whole; checkpoints past this run's "
-                          "start are still refused."})
+                          "start are still refused; files this project did not write are refused with it too."})
     save_on_preemption: bool = field(
         default=True,
         metadata={"help": "On SIGTERM/SIGUSR1: finish the step, save a checkpoint, write requeue.json, exit 75."})
@@ -254,3 +257,16 @@ class TrainConfig(CompileOptions, SampleOptions, TrackingOptions, CheckpointOpti
     check_order = (FineTuneOptions, DocumentOptions, DataAtScaleOptions, ModelOptions, DataOptions, OptimizerOptions,
                    MuonOptions, LossOptions, MixtureOfExpertsOptions, AccumulationOptions, Fp16Options,
                    CheckpointOptions, TrackingOptions, SampleOptions)
+
+    def __post_init__(self):
+        for name in PATH_OPTIONS:  # before the checks, which look at the files
+            value = getattr(self, name)
+            setattr(self, name, [os.path.expanduser(v) for v in value] if isinstance(value, list)
+                    else value and os.path.expanduser(value))
+        super().__post_init__()
+
+
+# The options that name a file or folder: a leading `~` is the home folder, as the shell makes it, also
+# from YAML and from a quoted or `--option=~/x` value (which the shell leaves alone).
+PATH_OPTIONS = ("output_dir", "model_name_or_path", "tokenizer_name_or_path", "dataset_name", "data_files",
+                "eval_data_files", "resume_from_checkpoint", "chat_template", "data_mixture")

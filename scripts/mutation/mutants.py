@@ -186,17 +186,24 @@ MUTANTS: list[Mutant] = [
     Mutant(
         id="rotation-deletes-newest",
         file="train_extras/resume/checkpoint.py",
-        old="for old in list_complete(output_dir)[:-keep]:",
-        new="for old in list_complete(output_dir)[keep:]:",
+        old="for old in mine[:-keep]:",
+        new="for old in mine[keep:]:",
         what="rotation deletes the newest checkpoints past --save_total_limit instead of the oldest",
         tests=("tests/test_checkpoint.py::test_rotation_keeps_the_newest_by_step_number_and_auto_resumes",),
     ),
     Mutant(
+        id="rotation-takes-another-runs",
+        file="train_extras/resume/checkpoint.py",
+        old="(mine if run is not None and _saved(path).get(\"run_id\") == run else others).append(path)",
+        new="mine.append(path)",
+        what="rotation deletes another run's checkpoints in the folder (issue 42), not only this run's",
+        tests=("tests/test_output_folder.py::test_rotation_removes_only_this_runs_checkpoints_and_says_so_once",),
+    ),
+    Mutant(
         id="rotation-not-atomic",
         file="train_extras/resume/checkpoint.py",
-        old="                old.rename(trash)  # atomic: the checkpoint is either whole or gone from the list\n"
-            "                shutil.rmtree(trash)",
-        new="                shutil.rmtree(old)",
+        old="    path.rename(trash)\n    shutil.rmtree(trash)",
+        new="    shutil.rmtree(path)",
         what="rotation removes an old checkpoint in place: a crash leaves a half-deleted step_N that looks complete",
         tests=("tests/test_resilience.py::test_a_crash_at_any_phase_of_a_save_keeps_the_older_checkpoints_and_auto_"
                "finds_the_newest[during_rotation]",),

@@ -35,7 +35,8 @@ file, which the session's first call writes: DeepSpeed calls it three times per 
 third of a 2-rank ZeRO-3 offload launch on 2 cores. The answer is this machine's, so nothing changes
 but the wait.
 With ACCELERATE_RECIPES_DISK_FULL_AT=step_<N>, saving model weights into that step's checkpoint
-writes half the file and fails with ENOSPC (for machines where a test cannot mount a small tmpfs).
+writes half the file and fails with ENOSPC (for machines where a test cannot mount a small tmpfs);
+=model: the same for the weights of the Hugging Face export (written into `.model.partial`).
 With ACCELERATE_RECIPES_SLOW_DATA=<seconds>, rank 0's first datasets.map (its tokenising on first
 use) sleeps that long first: a corpus that takes longer to prepare than a collective may wait.
 With ACCELERATE_RECIPES_SLOW_EVAL=<seconds>, once the model has trained (a forward in training mode),
@@ -454,12 +455,16 @@ def _slow_data_preparation(seconds: float) -> None:
 
 
 def _disk_full_at(folder_name: str) -> None:
-    """safetensors' writer, for files inside a folder named `folder_name` (e.g. ".step_20.partial"):
-    half the file is written, then ENOSPC, as a full disk does."""
+    """safetensors' writer, as accelerate (checkpoints) and transformers (the export) call it, for
+    files inside a folder named `folder_name` (e.g. ".step_20.partial"): half the file is written,
+    then ENOSPC, as a full disk does."""
+    if Path(sys.argv[0]).name == "accelerate":  # the launcher writes nothing (and would import transformers)
+        return
     import errno
 
     import safetensors.torch
     from accelerate.utils import other
+    from transformers import modeling_utils
 
     save_file = other.safe_save_file
 
@@ -470,7 +475,7 @@ def _disk_full_at(folder_name: str) -> None:
         Path(filename).write_bytes(data[: len(data) // 2])
         raise OSError(errno.ENOSPC, "No space left on device", str(filename))
 
-    other.safe_save_file = full_disk_save_file
+    other.safe_save_file = modeling_utils.safe_save_file = full_disk_save_file
 
 
 def _slow_eval(seconds: float) -> None:

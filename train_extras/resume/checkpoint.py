@@ -6,16 +6,23 @@ under tensor parallelism, where the model and optimizer are not accelerate's, th
 torch.distributed.checkpoint in `model_optimizer_dcp/`, train_extras/parallel/tensor_parallel.py) plus
 `checkpoint.json`: the step, the data position, the resolved config and the list of every file
 with its size and checksum, plus a checksum of its own content. Rotation keeps the newest
---save_total_limit by step number (never sorted as text: step_9 < step_10).
+--save_total_limit by step number (never sorted as text: step_9 < step_10), of this run's own:
+every checkpoint.json records the run's id (`run_id`: new for a fresh run or one resumed from
+another folder's checkpoint, kept by a run that resumes one of its folder's own), and rotation
+removes only checkpoints with this run's id. Another run's (or one saved before run ids, which has
+none) are kept, and the run says so once.
 
 Crash safety: a checkpoint is written under `.step_<N>.partial`, its files are fsynced, and it is
 renamed to `step_<N>` only when every rank has finished and checkpoint.json is complete. A folder
 named step_<N> with a checkpoint.json is therefore always whole, whatever moment a crash hits;
 an old checkpoint is first renamed aside (`.step_<N>.deleting`) and only then removed, so a crash
 during rotation never leaves a half-deleted folder that looks complete. Leftovers of a crash are
-cleared by the next save. A full disk or quota stops every rank with one line, before the save
-when the space is visibly short, else with the partial save removed; the complete checkpoints are
-kept. Requires the output folder on a filesystem every rank sees.
+cleared by the next save (only folders with the names a save gives them; a link of that name
+is removed, never followed). A checkpoints/ folder that cannot be written is one line before any
+work (`check_writable`), or, if it becomes so during the run, one line at the save. A full disk or
+quota stops every rank with one line, before the save when the space is visibly short, else with
+the partial save removed; the complete checkpoints are kept, and each line names them (or says
+there are none: `kept`). Requires the output folder on a filesystem every rank sees.
 
 Content checksums: every file's xxh3-128 digest is recorded in checkpoint.json as the save commits
 (read back from the page cache right after writing, split over the ranks and over threads), and
@@ -39,10 +46,13 @@ The export at the end of a run is common/export.py.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import re
 import shutil
+import tempfile
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -56,12 +66,18 @@ from train_extras import muon
 from train_extras.observe.tracking import redact, redact_strings
 from train_extras.parallel import tensor_parallel
 from train_extras.resume import safe_load
-from train_extras.resume.output_dir import disk_full, free_bytes
+from train_extras.resume.output_dir import disk_full, free_bytes, own_checkpoint
 
 CHECKPOINT_DIR = "checkpoints"
 METADATA = "checkpoint.json"
 DIGEST = "xxh3_128"  # non-cryptographic: it finds damage, not tampering
 _CHUNK = 16 << 20
+LEFTOVER = re.compile(r"\.step_\d+\.(partial|deleting)")  # the names save and rotation give their work in progress
+
+
+class DiskFull(ConfigError):
+    """A save stopped by a full disk or quota (every rank alike; the partial save removed)."""
+
 
 def list_complete(output_dir: str | Path) -> list[Path]:
     """Complete checkpoints (step_<N> with checkpoint.json), oldest first by step number."""
@@ -82,6 +98,25 @@ def resolve_resume(cfg) -> Path | None:
         complete = list_complete(cfg.output_dir)
         return complete[-1] if complete else None
     return Path(cfg.resume_from_checkpoint)
+
+
+def run_id(cfg, path: Path | None, meta: dict | None, accelerator) -> str:
+    """This run's id, recorded in each of its checkpoints: the resumed checkpoint's when it is one of
+    this folder's own (the same run goes on), else a new one (a fresh run, or a checkpoint of another
+    folder: a new run here). Rank 0's, on every rank. uuid4: the OS's randomness, not the seeded RNGs."""
+    if path is not None and own_checkpoint(cfg.output_dir, path) and meta.get("run_id"):
+        return meta["run_id"]
+    new = uuid.uuid4().hex[:16]
+    return broadcast_object_list([new])[0] if accelerator.num_processes > 1 else new
+
+
+def _saved(path: Path) -> dict:
+    """A checkpoint's checkpoint.json as it is ({} if unreadable: then nothing of it is this run's)."""
+    try:
+        meta = json.loads((path / METADATA).read_text())
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def metadata_digest(meta: dict) -> str:
@@ -441,7 +476,8 @@ def _fsync_dir(folder: Path) -> None:
 
 def save(accelerator, output_dir: str | Path, step: int, metadata: dict, keep: int = 0,
          model=None, optimizer=None) -> Path:
-    """Write step_<step> atomically (all ranks call this), then rotate old checkpoints.
+    """Write step_<step> atomically (all ranks call this), then rotate old checkpoints: with `keep`,
+    the newest `keep` of those whose run id is metadata["run_id"] are kept (another run's all are).
 
     Under tensor parallelism the model and optimizer are not accelerate's (train_extras/parallel/tensor_parallel.py):
     pass them, and their shards go to torch.distributed.checkpoint next to save_state's files."""
@@ -449,8 +485,12 @@ def save(accelerator, output_dir: str | Path, step: int, metadata: dict, keep: i
     final, partial = root / f"step_{step}", root / f".step_{step}.partial"
     if accelerator.is_main_process:
         root.mkdir(parents=True, exist_ok=True)
-        for leftover in list(root.glob(".step_*.partial")) + list(root.glob(".step_*.deleting")):
-            shutil.rmtree(leftover, ignore_errors=True)  # left by a crash during an earlier save
+        for leftover in root.iterdir():  # left by a crash during an earlier save
+            if LEFTOVER.fullmatch(leftover.name):
+                if leftover.is_symlink():  # not ours: the link goes, never what it points to
+                    leftover.unlink()
+                elif leftover.is_dir():
+                    shutil.rmtree(leftover, ignore_errors=True)
     accelerator.wait_for_everyone()
     _check_space(accelerator, root, final)
 
@@ -484,12 +524,59 @@ def save(accelerator, output_dir: str | Path, step: int, metadata: dict, keep: i
         _fsync_dir(root)
         shutil.rmtree(replaced, ignore_errors=True)
         if keep:
-            for old in list_complete(output_dir)[:-keep]:
-                trash = root / f".{old.name}.deleting"
-                old.rename(trash)  # atomic: the checkpoint is either whole or gone from the list
-                shutil.rmtree(trash)
+            _rotate(root, metadata.get("run_id"), keep)
     accelerator.wait_for_everyone()
     return final
+
+
+_told = set()  # the folders whose other runs' checkpoints the run has named (once each)
+
+
+def _rotate(root: Path, run: str | None, keep: int) -> None:
+    """Keep the newest `keep` of this run's checkpoints; another run's stay, said once."""
+    mine, others = [], []
+    for path in list_complete(root.parent):
+        (mine if run is not None and _saved(path).get("run_id") == run else others).append(path)
+    for old in mine[:-keep]:
+        remove(old)
+    if others and root not in _told:
+        _told.add(root)
+        names = ", ".join(p.name for p in others[:3]) + (", ..." if len(others) > 3 else "")
+        print(f"note: {root} also holds {len(others)} checkpoint(s) of another run ({names}): --save_total_limit "
+              "rotates only this run's, those are kept", flush=True)
+
+
+def remove_for_export(output_dir: str | Path, run: str) -> None:
+    """Once the export is done (--save_every 0): this run's checkpoints saved only to keep the run
+    safe during it, and checkpoints/ if that leaves it empty."""
+    for path in list_complete(output_dir):
+        if _saved(path).get("for_export") and _saved(path).get("run_id") == run:
+            remove(path)
+    root = Path(output_dir) / CHECKPOINT_DIR
+    if root.is_dir() and not root.is_symlink() and not any(root.iterdir()):
+        root.rmdir()
+
+
+def remove(path: Path) -> None:
+    """A complete checkpoint, renamed aside first: it is either whole or gone from the list."""
+    trash = path.with_name(f".{path.name}.deleting")
+    path.rename(trash)
+    shutil.rmtree(trash)
+
+
+@same_on_every_rank()  # every rank tries the same folder
+def check_writable(cfg) -> None:
+    """Before any work: an existing checkpoints/ folder the run cannot write into (a read-only mount,
+    its permissions) is one line, not a traceback at the first save."""
+    root = Path(cfg.output_dir) / CHECKPOINT_DIR
+    if not os.path.lexists(root):
+        return  # made by the first save, inside the output folder the run has claimed
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write_test", dir=root))
+    except OSError as err:
+        raise ConfigError(f"{root} cannot be written ({err.strerror}): the run saves its checkpoints there (at "
+                          "--save_every, at a preemption, before the export); make it writable, or choose another "
+                          "--output_dir") from None
 
 
 LOW_SPACE = 64 << 20
@@ -508,12 +595,20 @@ def _checkpoint_bytes(root: Path) -> int | None:
     return sum(read_metadata(complete[-1])["files"].values()) if complete else None
 
 
+def kept(output_dir: str | Path, then: str = "free space (or quota)") -> str:
+    """What a rerun can go on from, as it truly is (for the lines that stop a run)."""
+    complete = list_complete(output_dir)
+    if not complete:
+        return f"no complete checkpoint is in {Path(output_dir) / CHECKPOINT_DIR}: {then} and rerun (it starts afresh)"
+    return (f"{len(complete)} complete checkpoint(s) kept, the newest {complete[-1]}: {then} and rerun with "
+            "--resume_from_checkpoint auto")
+
+
 def _disk_full_error(final: Path, root: Path, cause: str) -> ConfigError:
     need, free = _checkpoint_bytes(root), free_bytes(root)
     took = f"; the last checkpoint took {need / 1e6:,.0f} MB" if need else ""
-    return ConfigError(f"disk full while saving {final} ({cause}){took}, {(free or 0) / 1e6:,.0f} MB free: the "
-                       f"partial save was removed and {len(list_complete(root.parent))} complete checkpoint(s) kept; "
-                       "free space (or quota) and rerun with --resume_from_checkpoint auto")
+    return DiskFull(f"disk full while saving {final} ({cause}){took}, {(free or 0) / 1e6:,.0f} MB free: the "
+                    f"partial save was removed; {kept(root.parent)}")
 
 
 def _check_space(accelerator, root: Path, final: Path) -> None:
@@ -527,8 +622,7 @@ def _check_space(accelerator, root: Path, final: Path) -> None:
     if accelerator.num_processes > 1:
         short = broadcast_object_list([short])[0]
     if short:
-        raise ConfigError(f"not enough space to save {final}: {short}; nothing was written, the complete "
-                          "checkpoints are kept; free space (or quota) and rerun with --resume_from_checkpoint auto")
+        raise DiskFull(f"not enough space to save {final}: {short}; nothing was written; {kept(root.parent)}")
 
 
 def _unless_disk_full(write, accelerator, root: Path, partial: Path, final: Path) -> None:
@@ -540,6 +634,8 @@ def _unless_disk_full(write, accelerator, root: Path, partial: Path, final: Path
         failure = None
     except Exception as err:  # noqa: BLE001 - each writer reports a full disk its own way
         failure, mine = (f"space:{one_line(err)}" if _out_of_space(err, root) else f"error:{one_line(err)}"), err
+        if isinstance(err, OSError) and err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            failure = f"write:{err.strerror}: {err.filename}"  # remounted read-only, permissions changed
     failures = gather_object([failure]) if accelerator.num_processes > 1 else [failure]
     if not any(failures):
         return
@@ -548,6 +644,11 @@ def _unless_disk_full(write, accelerator, root: Path, partial: Path, final: Path
             shutil.rmtree(partial, ignore_errors=True)
         accelerator.wait_for_everyone()
         raise _disk_full_error(final, root, next(f for f in failures if f and f.startswith("space:"))[6:])
+    if any(f and f.startswith("write:") for f in failures):
+        if accelerator.is_main_process:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise ConfigError(f"cannot write {final} ({next(f for f in failures if f and f.startswith('write:'))[6:]}): "
+                          f"{kept(root.parent, 'make it writable')}")
     if failure:
         raise mine
     rank = next(i for i, f in enumerate(failures) if f)

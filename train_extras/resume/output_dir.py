@@ -10,8 +10,13 @@ holder's host and PID, and exits 2 having written nothing. Only rank 0 locks, so
 run on a shared file system has one holder; the other ranks get the outcome by broadcast. A file
 system without locks (Lustre mounted without `-o flock`) gets a warning; the run goes on unguarded.
 A folder the run created and left holding only the lock (bad input found later) is removed.
+The lock is opened without following a symbolic link (O_NOFOLLOW): a `.run.lock` that is a link is
+one line, and what it points to is never opened, let alone truncated.
 
-`check_not_finished` then keeps a finished run from being overwritten: see its docstring.
+`check_ours` then refuses a folder where a name the run writes (model/, run_summary.json,
+metrics.jsonl, requeue.json) is taken by something this project did not write, with or without
+--overwrite_output_dir; and `check_not_finished` keeps a finished run from being overwritten: see
+their docstrings and docs/checkpoints.md#what-a-run-writes-into---output_dir.
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ from pathlib import Path
 from accelerate.utils import broadcast_object_list
 
 from common.config import ConfigError, same_on_every_rank
+from common.files import write_json
 
 LOCK_FILE = ".run.lock"
 _held = []  # the locked descriptors: open until the process ends
 _created = []  # folders this run made (remove_unused)
+claimed = []  # the folder this process's run writes into (the last line of a failure names what it holds)
 
 
 def remove_unused() -> None:
@@ -54,8 +61,11 @@ def _lock(folder: Path) -> str | None:
         if not folder.exists():
             folder.mkdir(parents=True)
             _created.append(folder)
-        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as err:
+        if err.errno == errno.ELOOP:  # O_NOFOLLOW's answer: the lock is a symbolic link
+            return (f"--output_dir {folder}: {LOCK_FILE} is a symbolic link (to {os.readlink(folder / LOCK_FILE)}); "
+                    "a run never writes through one: remove the link, or choose another --output_dir")
         return f"--output_dir {folder}: cannot create or write it ({err.strerror}: {err.filename})"
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -90,6 +100,83 @@ def claim(folder: str | Path, accelerator) -> None:
         reason = broadcast_object_list([reason])[0]
     if reason:
         raise ConfigError(reason)
+    claimed.append(Path(folder))
+
+
+SUMMARY, METRICS, REQUEUE, EXPORT = "run_summary.json", "metrics.jsonl", "requeue.json", "model"
+# The export's marker: written into model/ when train.py's export is in place, listing its files. A
+# folder at model/ is this project's export (a later run may replace it) only with the marker and no
+# file beyond those it lists; anything else there, a user's `model/` package or a model they put
+# there, is refused before any work. (A kill between the export's swap and the marker leaves an
+# export without one: refused too, never replaced; common/export.py's own swap stays whole.)
+MARKER = ".accelerate_recipes_export.json"
+WRITTEN_BY = "accelerate-recipes train.py"
+
+
+def mark_export(folder: str | Path) -> None:
+    """The marker, into the export folder just written (rank 0)."""
+    folder = Path(folder)
+    written = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    write_json(folder / MARKER, {"written_by": WRITTEN_BY, "files": [f for f in written if f != MARKER]})
+
+
+def not_an_export(folder: str | Path) -> str | None:
+    """None when `folder` is missing or an export of this project (its marker lists every file in
+    it); else what it is instead, in a few words naming what is there."""
+    folder = Path(folder)
+    if not os.path.lexists(folder):
+        return None
+    if folder.is_symlink() or not folder.is_dir():
+        return "a symbolic link" if folder.is_symlink() else "a file, not a folder"
+    present = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if not p.is_dir())
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+        listed = set(marker["files"]) if marker.get("written_by") == WRITTEN_BY else None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        listed = None
+    shown = ", ".join(present[:4]) + (f" and {len(present) - 4} more" if len(present) > 4 else "")
+    if listed is None:
+        return f"no export marker {MARKER}; holds {shown or 'nothing'}"
+    extra = [name for name in present if name not in listed and name != MARKER]
+    if extra:
+        return f"an export with files it did not write: {', '.join(extra[:4])}"
+    return None
+
+
+@same_on_every_rank()  # every rank reads the same folder
+def check_ours(cfg) -> None:
+    """Each name in --output_dir that a run replaces or deletes is this project's, or the run is
+    refused (--overwrite_output_dir included) in one line naming it: `model/` an export with its
+    marker (MARKER, above), run_summary.json a JSON object with its "recipe", metrics.jsonl empty or
+    starting with a JSON object with its "kind", requeue.json a JSON object with its "resume_with".
+    Any other name is never touched and stops nothing. (Checkpoints: checkpoint.py, by run id.)"""
+    folder = Path(cfg.output_dir)
+    found = []
+    export = not_an_export(folder / EXPORT)
+    if export:
+        found.append(f"{EXPORT}/ ({export})")
+    for name, key in ((SUMMARY, "recipe"), (METRICS, "kind"), (REQUEUE, "resume_with")):
+        why = _not_ours(folder / name, key)
+        if why:
+            found.append(f"{name} ({why})")
+    if found:
+        raise ConfigError(f"{folder} holds {'; '.join(found)}: this project did not write it, and a run here would "
+                          "replace it; move it away, or choose another --output_dir")
+
+
+def _not_ours(path: Path, key: str) -> str | None:
+    """None when `path` is missing or a file of ours (its first line, for metrics.jsonl); else why not."""
+    if not os.path.lexists(path):
+        return None
+    if path.is_symlink() or not path.is_file():
+        return "a symbolic link" if path.is_symlink() else "not a file"
+    try:
+        with open(path, "rb") as f:
+            text = f.readline() if path.name == METRICS else f.read()
+        value = json.loads(text) if text.strip() or path.name != METRICS else {key: None}
+    except (OSError, ValueError):
+        return "not JSON"
+    return None if isinstance(value, dict) and key in value else f"no {key!r} field"
 
 
 @same_on_every_rank()  # every rank reads the same folder
@@ -101,12 +188,17 @@ def check_not_finished(cfg, resume_path: str | Path | None) -> None:
     continues it; checkpoint.check_output_dir guards those), --eval_only's eval_summary.json (it never
     calls this). Every rank reads the same files: the output folder is on a file system they all see."""
     folder = Path(cfg.output_dir)
-    found = [name for name, finished in (("run_summary.json", _finished_summary(folder / "run_summary.json")),
-                                         ("model/", (folder / "model").is_dir())) if finished]
-    own = resume_path is not None and Path(resume_path).resolve().parent == (folder / "checkpoints").resolve()
+    found = [name for name, finished in ((SUMMARY, _finished_summary(folder / SUMMARY)),
+                                         (f"{EXPORT}/", (folder / EXPORT).is_dir())) if finished]
+    own = resume_path is not None and own_checkpoint(folder, resume_path)
     if found and not own and not cfg.overwrite_output_dir:
         raise ConfigError(f"{folder} holds a finished run ({', '.join(found)}): pass --overwrite_output_dir to "
                           "replace it, or choose another --output_dir")
+
+
+def own_checkpoint(folder: str | Path, checkpoint: str | Path) -> bool:
+    """Whether `checkpoint` is one of the checkpoints of the output folder `folder`."""
+    return Path(checkpoint).resolve().parent == (Path(folder) / "checkpoints").resolve()
 
 
 def _finished_summary(path: Path) -> bool:
@@ -114,7 +206,7 @@ def _finished_summary(path: Path) -> bool:
         summary = json.loads(path.read_text())
     except FileNotFoundError:
         return False
-    except (OSError, ValueError):  # written atomically, so not one of ours: not to be overwritten unread
+    except (OSError, ValueError):  # not ours: check_ours has refused it already
         return True
     return not (isinstance(summary, dict) and "preempted" in summary)
 

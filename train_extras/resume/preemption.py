@@ -48,7 +48,8 @@ from common.config import ConfigError, RecipeStop, one_line
 from common.config import run_cli as config_run_cli
 from common.files import write_json
 from train_extras.observe.tracking import redact_strings
-from train_extras.resume.output_dir import disk_full, remove_unused
+from train_extras.resume.checkpoint import kept
+from train_extras.resume.output_dir import claimed, disk_full, remove_unused
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 REQUEUE_MARKER = "requeue.json"
@@ -156,9 +157,9 @@ def run_cli(main, argv: list[str] | None = None) -> int:
             main(argv)
         except Exception as err:
             remove_unused()  # an output folder this run made and never wrote into
-            if disk_full(err) and not isinstance(err, RecipeStop):  # the summary or export on a full disk
-                raise ConfigError(f"disk full: {one_line(err)}; free space, then rerun with "
-                                  "--resume_from_checkpoint auto") from None
+            if disk_full(err) and not isinstance(err, RecipeStop):  # a record file on a full disk
+                then = kept(claimed[-1]) if claimed else "free space (or quota) and rerun"
+                raise ConfigError(f"disk full: {one_line(err)}; {then}") from None
             if not _is_collective_failure(err):
                 raise
             import torch.distributed as dist
