@@ -17,8 +17,10 @@ pytestmark = pytest.mark.quick  # launches nothing: docs/testing.md#running-the-
 CORE = ROOT / "common"
 # 900 until issue 29 (1,064 after it): local data as users have it (folders, globs, csv, parquet),
 # an error every rank hits printed once, the export swapped in whole (common/files.py). Kept a budget:
-# what only train.py needs goes to train_extras/.
-CORE_LINE_BUDGET = 1100
+# what only train.py needs goes to train_extras/. 1,125 since issue 42: every load in the core passes
+# --trust_remote_code (a folder's own code is one line naming the option, never a prompt), and a text
+# column that holds no text is one line.
+CORE_LINE_BUDGET = 1125
 RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*.py") if p.name not in ("train.py", "generate.py"))
 
 
