@@ -115,7 +115,8 @@ def main(argv=None):
 def configure(argv):
     """The options, and every check that needs no Accelerator; the process set up to train."""
     cfg = config.parse(TrainConfig, argv, recipe="train.py")
-    tracking.warn_command_line(sys.argv[1:] if argv is None else argv, os.environ.get("RANK", "0") == "0")
+    tracking.warn_command_line(sys.argv[1:] if argv is None else argv,
+                               os.environ.get("RANK", "0") == "0")
     modeling.check_seq_len(cfg)
     tensor_parallel.check_launch_sizes("train.py")  # the process count, before the mesh exists
     cpu_threads.use_available_cores()  # accelerate's default for one CPU process is one thread
@@ -176,8 +177,9 @@ def resume_point(cfg, accelerator):
         raise config.ConfigError(
             f"--eval_only: no complete checkpoint in {cfg.output_dir}/checkpoints to evaluate")
     elif cfg.resume_from_checkpoint == "auto" and not cfg.eval_only and accelerator.is_main_process:
-        print(f"note: --resume_from_checkpoint auto: no checkpoint in {cfg.output_dir}/checkpoints"  # mistyped?
-              f"{'' if existed else ' (a new folder)'}; starting afresh", flush=True)
+        print(f"note: --resume_from_checkpoint auto: no checkpoint in "  # a mistyped folder?
+              f"{cfg.output_dir}/checkpoints{'' if existed else ' (a new folder)'}; starting afresh",
+              flush=True)
     if not cfg.eval_only:  # which writes no checkpoint, and its record apart (eval_summary.json)
         checkpoint.check_output_dir(cfg, meta["step"] if path is not None else 0)
         output_dir.check_not_finished(cfg, path)
@@ -519,8 +521,8 @@ def sample(run: Run, record: RunRecord, step: int, watch) -> str | None:
     """What the model writes now: read it to judge the run, not only its loss. "sample" when a
     preemption signal ended it (nothing recorded), else None."""
     cfg = run.cfg
-    text = sample_text(run.accelerator, run.model, run.tokenizer, run.sample_prompt, cfg.sample_length,
-                       cfg.seed, stop=watch.stop_check(run.accelerator))
+    text = sample_text(run.accelerator, run.model, run.tokenizer, run.sample_prompt,
+                       cfg.sample_length, cfg.seed, stop=watch.stop_check(run.accelerator))
     if text is None:
         return "sample"
     record.sample(step, run.sample_prompt, text)
@@ -530,7 +532,8 @@ def sample(run: Run, record: RunRecord, step: int, watch) -> str | None:
 def save(run: Run, record: RunRecord, step: int, micro_batches_done: int, **extra):
     record.sync()  # metrics.jsonl up to this checkpoint survives a crash of the machine too
     metadata = {"micro_batches_done": micro_batches_done,  # per rank: with batches_per_epoch,
-                "tokens_seen": step * record.tokens_per_step, **run.saved, **extra}  # the data position
+                "tokens_seen": step * record.tokens_per_step,  # the data position
+                **run.saved, **extra}
     return checkpoint.save(run.accelerator, run.cfg.output_dir, step, keep=run.cfg.save_total_limit,
                            model=run.model, optimizer=run.optimizer, metadata=metadata)
 
@@ -624,7 +627,8 @@ def finish(run: Run, record: RunRecord, start_step: int, watch, micro_batches_do
     if interrupted:  # decided from the options alone: the same on every rank, as a save must be
         last = os.path.join(cfg.output_dir, checkpoint.CHECKPOINT_DIR, f"step_{cfg.max_steps}")
         resumed = record.summary.get("resumed_from", {}).get("path")
-        have = (cfg.save_every and start_step < cfg.max_steps) or (  # the loop's, or the one resumed from
+        # the loop's, or the one resumed from
+        have = (cfg.save_every and start_step < cfg.max_steps) or (
             resumed is not None and os.path.realpath(resumed) == os.path.realpath(last))
         saved = last if have else save(run, record, cfg.max_steps, micro_batches_done)
         return {"step": cfg.max_steps, "signal": watch.signal_name or "another rank's signal",
@@ -651,11 +655,12 @@ def finish(run: Run, record: RunRecord, start_step: int, watch, micro_batches_do
 
 
 def stop_preempted(run: Run, record: RunRecord, preempted: dict) -> None:
-    """After the checkpoint (if anything trained): the requeue marker, the record and one line, exit 75."""
+    """After the checkpoint (if anything trained): the requeue marker, the record, one line, exit 75."""
     cfg, accelerator = run.cfg, run.accelerator
     saved, step = preempted["checkpoint"], preempted["step"]
     if accelerator.is_main_process:
-        preempted["marker"] = str(preemption.write_marker(cfg.output_dir, step, saved, preempted["signal"]))
+        marker = preemption.write_marker(cfg.output_dir, step, saved, preempted["signal"])
+        preempted["marker"] = str(marker)
     record.preempted(preempted)
     end(accelerator)
     during = f" during its {preempted['interrupted']}" if preempted.get("interrupted") else ""
@@ -711,5 +716,5 @@ def end(accelerator) -> None:
 
 
 if __name__ == "__main__":
-    tracking.redact_printed_lines()  # a token in an option, printed by us or a library, shows as [redacted]
+    tracking.redact_printed_lines()  # a token in an option, printed by anyone: [redacted]
     sys.exit(preemption.run_cli(main))
