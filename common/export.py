@@ -3,16 +3,18 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from accelerate.utils import DistributedType
 from torch import nn
 
-from common.config import tensor_parallel_size
-from common.files import partial_dir, recover_dir, replace_dir
+from common.config import ConfigError, same_on_every_rank, tensor_parallel_size
+from common.files import partial_dir, recover_dir, replace_dir, write_json
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # accelerate's mixed precision -> weights
+MARKER = ".accelerate_recipes_export.json"  # in every export since issue 42, listing its files (not_an_export)
 
 
 def export_pretrained(accelerator, model, tokenizer, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
@@ -20,12 +22,14 @@ def export_pretrained(accelerator, model, tokenizer, out_dir: str | Path, dtype:
     is bf16, half the size of fp32). Call on every rank: gathering sharded weights is a collective;
     only the main process writes. The folder is written whole beside `out_dir`, then swapped in
     (common/files.py): a kill at any moment leaves `out_dir` the earlier export or this one (where the
-    file system cannot swap, NFS, missing between two renames: the next export puts the old one back)."""
+    file system cannot swap, NFS, missing between two renames: the next export puts the old one back).
+    It goes in with its MARKER; an `out_dir` that is not an export so marked is refused, left as it was."""
     out_dir, dtype = Path(out_dir), dtype or PRECISION_DTYPES.get(accelerator.mixed_precision, torch.float32)
     partial = partial_dir(out_dir)
     if accelerator.is_main_process:
         recover_dir(out_dir)  # what a killed export left, before any rank's save_pretrained creates `partial`
     accelerator.wait_for_everyone()
+    check_replaceable(out_dir)  # every rank: the same folder, which nothing writes until the swap
     if accelerator.distributed_type == DistributedType.FSDP or tensor_parallel_size(accelerator) > 1:
         # FSDP2 with SHARDED_STATE_DICT: accelerator.get_state_dict returns an empty dict on rank 0
         # (docs/toolchain.md#fsdp2-export); under TP it returns DTensors. torch's own API gathers the
@@ -57,11 +61,40 @@ def export_pretrained(accelerator, model, tokenizer, out_dir: str | Path, dtype:
         # save_pretrained wrote the live weights' dtype (fp32 masters); from_pretrained must see the files'
         unwrapped.config.dtype = dtype  # (the model is done: nothing reads its config after the export)
         unwrapped.config.save_pretrained(partial)
+        mark_export(partial)
     accelerator.wait_for_everyone()  # every rank is out of save_pretrained (it lists `partial`) before it moves
     if accelerator.is_main_process:
         replace_dir(out_dir)
     accelerator.wait_for_everyone()
     return out_dir
+
+
+def mark_export(folder: Path) -> None:  # last into the new folder, before its swap: an export is whole with it
+    files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    write_json(folder / MARKER, {"written_by": "accelerate-recipes", "files": files})
+
+
+@same_on_every_rank()  # called on every rank, which all read the same folder
+def check_replaceable(out_dir: Path) -> None:  # refused: an `out_dir` that is not an export (left as it was)
+    if foreign := not_an_export(out_dir):
+        raise ConfigError(f"{out_dir} ({foreign}): nothing marks it as an export of this project, and the export "
+                          "would replace it; move it away, or choose another --output_dir")
+
+
+def not_an_export(folder: str | Path) -> str | None:
+    """None when `folder` is missing or an export with its marker and no file beyond those it lists
+    (a file the user added makes the folder theirs too); else what is there instead, in a few words."""
+    folder = Path(folder)
+    if folder.is_symlink() or not folder.is_dir():  # a link, a file, or nothing
+        return "a symbolic link" if folder.is_symlink() else "a file, not a folder" if folder.exists() else None
+    present = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_symlink() or not p.is_dir())
+    try:
+        listed = {*json.loads((folder / MARKER).read_text())["files"], MARKER}
+    except (OSError, ValueError, TypeError, KeyError):  # none, or not the marker's JSON
+        shown = ", ".join(present[:4]) + (f" and {len(present) - 4} more" if len(present) > 4 else "")
+        return f"no export marker {MARKER}; holds {shown or 'nothing'}"
+    extra = [name for name in present if name not in listed]
+    return f"an export with files it did not write: {', '.join(extra[:4])}" if extra else None
 
 
 def unwrap(accelerator, model: nn.Module) -> nn.Module:

@@ -43,14 +43,16 @@ def partial_dir(path: str | os.PathLike) -> Path:
 
 def recover_dir(path: str | os.PathLike) -> None:
     """Undo what a crash in replace_dir left: the old folder back if it was set aside and the new
-    one never arrived (`.old` only ever names a whole folder), then every leftover removed."""
+    one never arrived (`.old` only ever names a whole folder), then every leftover (ours by name) removed."""
     path = Path(path)
     old = path.with_name(f".{path.name}.old")
-    if not path.exists() and old.is_dir():
+    if not os.path.lexists(path) and old.is_dir() and not old.is_symlink():
         old.rename(path)
     for leftover in (partial_dir(path), old):
-        if leftover.exists():
+        if leftover.is_dir() and not leftover.is_symlink():
             shutil.rmtree(leftover)  # (not ignoring errors: a stale file left here would be published)
+        else:  # a link of a leftover's name: the link only, never what it names
+            leftover.unlink(missing_ok=True)
 
 
 def replace_dir(path: str | os.PathLike) -> Path:

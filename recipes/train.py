@@ -644,8 +644,6 @@ def finish(run: Run, record: RunRecord, start_step: int, watch, micro_batches_do
             if not output_dir.disk_full(err):
                 raise
             raise export_failed(run, err, kept) from None
-        if run.accelerator.is_main_process:  # ours: a later run may replace it
-            output_dir.mark_export(export)
     record.finished(export, start_step)
     if cfg.save_model and cfg.save_every == 0:  # no checkpoint asked for: those kept for the export go
         if run.accelerator.is_main_process:

@@ -10,6 +10,7 @@ import pytest
 
 from common import config
 from common import model as modeling
+from common.export import mark_export
 from conftest import DEBUG_ARGS, ROOT, launch, load_recipe
 from train_extras.resume import output_dir, preemption
 
@@ -133,8 +134,8 @@ def finished_run(folder, summary: dict | None, export: bool = True):
 
 
 def mark_as_export(folder):
-    """The marker train.py writes into its export, listing its files."""
-    output_dir.mark_export(folder)
+    """The marker every export is written with, listing its files."""
+    mark_export(folder)
 
 
 def contents(folder) -> dict:

@@ -2,9 +2,11 @@
 of an export over an earlier one leaves `model/` loading, with its tokenizer, as the earlier export or
 as the new one, and the next export clears what the kill left. The kills are the probes'
 (ACCELERATE_RECIPES_FAULT=export_<phase>, tests/probes/sitecustomize.py): in a small process that
-exports a tiny model (tests/scripts/export_over.py), and once in a real train.py export."""
+exports a tiny model (tests/scripts/export_over.py), and once in a real train.py export. The export
+replaces only an export this project wrote, known by its marker (issue 42), in this process."""
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -16,10 +18,12 @@ from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common import files
+from common.config import ConfigError
 from common.data import build_tokenizer
-from common.export import export_pretrained
+from common.export import MARKER, export_pretrained, not_an_export
 from conftest import ROOT, TRAIN_ARGS, launch, launch_env
 from probes.sitecustomize import FAULT_EXIT_CODE, PROBE_INPUT_IDS
+from test_output_folder import contents, users_model_package
 from train_extras.options import TrainConfig
 
 SCRIPT = ROOT / "tests" / "scripts" / "export_over.py"
@@ -133,3 +137,56 @@ def test_a_kill_during_train_py_s_export_over_a_finished_run_leaves_that_run_s_e
     assert (out / "run_summary.json").read_bytes() == summary  # the run's record as it was
     half = out / ".model.partial" / "model.safetensors"  # the new weights, cut half-way, beside it
     assert 0 < half.stat().st_size < (out / "model" / "model.safetensors").stat().st_size
+
+
+# ---- only an export this project wrote is replaced ----
+def test_an_export_goes_in_with_its_marker_and_the_next_export_replaces_it(tmp_path, models, tokenizer):
+    """The marker is written into the new folder before the swap (a kill leaves the export marked or
+    not there), listing every file of it."""
+    out = tmp_path / "model"
+    export_pretrained(Accelerator(cpu=True), models["old"], tokenizer, out)
+    written = ["config.json", "generation_config.json", "model.safetensors", "tokenizer_config.json"]
+    assert sorted(os.listdir(out)) == sorted([MARKER, *written])
+    assert json.loads((out / MARKER).read_text()) == {"written_by": "accelerate-recipes", "files": written}
+    export_pretrained(Accelerator(cpu=True), models["new"], tokenizer, out)
+    assert loads_as(out, models, tokenizer) == "new" and not_an_export(out) is None
+    assert os.listdir(tmp_path) == ["model"]
+
+
+def an_unmarked_export(folder):
+    export_pretrained(Accelerator(cpu=True), export_over.tiny_model(SEEDS["old"]), build_tokenizer(TrainConfig()),
+                      folder / "model")
+    (folder / "model" / MARKER).unlink(missing_ok=True)  # (on main before the marker: none to remove)
+
+
+@pytest.mark.parametrize("make, holds", [
+    (users_model_package, "__init__.py, net.py"),  # before: deleted by the export
+    (an_unmarked_export, "config.json, generation_config.json, model.safetensors, tokenizer_config.json"),
+])
+def test_a_folder_not_marked_as_an_export_is_refused_in_one_line_and_kept(make, holds, tmp_path, models,
+                                                                          tokenizer):
+    """A user's `model/` package, or an export written before the marker existed (refused too:
+    move it away)."""
+    make(tmp_path)
+    before = contents(tmp_path)
+    with pytest.raises(ConfigError) as refused:
+        export_pretrained(Accelerator(cpu=True), models["new"], tokenizer, tmp_path / "model")
+    assert str(refused.value) == (f"{tmp_path / 'model'} (no export marker {MARKER}; holds {holds}): nothing marks it "
+                                  "as an export of this project, and the export would replace it; move it away, or "
+                                  "choose another --output_dir")
+    assert contents(tmp_path) == before  # byte for byte, and nothing written beside it
+
+
+@pytest.mark.parametrize("leftover", [".model.partial", ".model.old"])
+def test_a_leftover_name_that_is_a_link_is_removed_and_never_followed(leftover, tmp_path, models, tokenizer):
+    """What a killed export leaves has these names; a link of such a name, to a user's folder: before,
+    rmtree refused it with a raw OSError (.model.partial), or the link was renamed to model/ and
+    left beside the export (.model.old)."""
+    users_model_package(tmp_path / "theirs")
+    before = contents(tmp_path / "theirs")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / leftover).symlink_to(tmp_path / "theirs" / "model")
+    export_pretrained(Accelerator(cpu=True), models["new"], tokenizer, tmp_path / "run" / "model")
+    assert os.listdir(tmp_path / "run") == ["model"]
+    assert loads_as(tmp_path / "run" / "model", models, tokenizer) == "new"
+    assert contents(tmp_path / "theirs") == before

@@ -19,8 +19,10 @@ CORE = ROOT / "common"
 # an error every rank hits printed once, the export swapped in whole (common/files.py). Kept a budget:
 # what only train.py needs goes to train_extras/. 1,125 since issue 42: every load in the core passes
 # --trust_remote_code (a folder's own code is one line naming the option, never a prompt), and a text
-# column that holds no text is one line.
-CORE_LINE_BUDGET = 1125
+# column that holds no text is one line. 1,156 (issue 42): every recipe's export goes in with its
+# marker and replaces only an export so marked (a user's `model/` package was deleted), and a killed
+# export's leftovers are removed without following a link: the check belongs where the folder is replaced.
+CORE_LINE_BUDGET = 1156
 RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*.py") if p.name not in ("train.py", "generate.py"))
 
 

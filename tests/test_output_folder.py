@@ -21,15 +21,16 @@ from accelerate.utils import other
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, modeling_utils
 
+from common import config
 from common.config import ConfigError
 from common.data import build_tokenizer
-from conftest import DEBUG_ARGS, TRAIN_ARGS, load_recipe, parse_train
+from common.export import MARKER, not_an_export
+from conftest import CORE_DEBUG_ARGS, DEBUG_ARGS, TRAIN_ARGS, load_recipe, parse_train
 from probes import sitecustomize
 from test_bad_input import mark_as_export, no_model  # noqa: F401 - a fixture
 from test_seams import in_process  # noqa: F401 - a fixture
 from train_extras.options import TrainConfig
 from train_extras.resume import checkpoint, output_dir, preemption
-from train_extras.resume.output_dir import MARKER, not_an_export
 
 SHORT = DEBUG_ARGS + ["--eval_every", "0", "--sample_length", "0", "--warmup_steps", "1"]
 
@@ -90,8 +91,23 @@ def test_a_name_the_run_would_replace_held_by_a_users_file_is_refused_even_with_
         while output_dir._held:
             os.close(output_dir._held.pop())
     err = capsys.readouterr().err
-    assert code == 2 and err == (f"error: {out} holds {says}: this project did not write it, and a run here would "
-                                 "replace it; move it away, or choose another --output_dir\n"), err
+    assert code == 2 and err == (f"error: {out} holds {says}: nothing marks it as this project's, and a run here "
+                                 "would replace it; move it away, or choose another --output_dir\n"), err
+    assert contents(out) == before
+
+
+def test_a_focused_recipe_refuses_to_export_over_a_users_model_package(tmp_path, capsys, in_process):  # noqa: F811
+    """The focused recipes export through common/export.py too, which replaced whatever was at
+    model/: the same refusal there, at the export (they have no start-up check), the package kept."""
+    out = tmp_path / "run"
+    users_model_package(out)
+    before = contents(out)
+    argv = CORE_DEBUG_ARGS + ["--max_steps", "2", "--warmup_steps", "1", "--eval_every", "0", "--output_dir", str(out)]
+    assert config.run_cli(load_recipe("bf16_baseline").main, argv) == 2
+    err = capsys.readouterr().err  # after the progress bars of the data and the training
+    assert err.endswith(f"\nerror: {out}/model (no export marker {MARKER}; holds __init__.py, net.py): nothing marks "
+                        "it as an export of this project, and the export would replace it; move it away, or choose "
+                        "another --output_dir\n") and err.count("error") == 1, err[-2000:]
     assert contents(out) == before
 
 

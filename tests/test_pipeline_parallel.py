@@ -8,6 +8,7 @@ from accelerate.utils import set_seed
 from transformers import AutoModelForCausalLM
 
 from common.data import build_datasets, build_loaders, build_tokenizer
+from common.export import not_an_export
 from common.model import evaluate, model_config
 from train_extras.options import TrainConfig
 from conftest import CORE_DEBUG_ARGS, Run, check_loss_goes_down, launch_two_processes
@@ -65,7 +66,8 @@ def test_each_stage_holds_its_own_layers(pipeline_run, three_stage_run):
 @pytest.mark.parametrize("run", ["pipeline_run", "three_stage_run"])
 def test_pipeline_export_reproduces_the_model_that_came_through_the_stages(run, request, monkeypatch, tmp_path):
     """The export, reloaded by plain transformers in this process, gives the held-out loss the
-    stages computed at the last step (same weights, same held-out blocks; the run's real outputs)."""
+    stages computed at the last step (same weights, same held-out blocks; the run's real outputs),
+    and holds its marker (the pipeline's own export, train_extras/parallel/pipeline.py)."""
     import datasets
     from accelerate import Accelerator
 
@@ -78,6 +80,7 @@ def test_pipeline_export_reproduces_the_model_that_came_through_the_stages(run, 
     held_out = evaluate(model, eval_loader, Accelerator(cpu=True))
     assert held_out["tokens"] == trained.summary["eval"][-1]["tokens"]
     assert held_out["loss"] == pytest.approx(trained.summary["eval"][-1]["loss"], abs=1e-5, rel=0)
+    assert not_an_export(trained.summary["export"]) is None  # marked as every export is: a later one may replace it
 
 
 def test_three_stages_train(three_stage_run):

@@ -170,17 +170,19 @@ class Pipeline:
     def export(self, tokenizer, out_dir) -> Path:
         """A Hugging Face folder of the whole trained model in the run's precision (as
         common.export's), written by rank 0."""
-        from common.export import PRECISION_DTYPES
+        from common.export import PRECISION_DTYPES, check_replaceable, mark_export
         from common.files import partial_dir, recover_dir, replace_dir
 
-        state = self.full_state_dict()
         out_dir = Path(out_dir)
+        check_replaceable(out_dir)  # every rank, before the gather: what is there is an export, or nothing
+        state = self.full_state_dict()
         if self.accelerator.is_main_process:  # written whole beside out_dir, then swapped in (as common.export's)
             recover_dir(out_dir)
             self.full_model.load_state_dict(state)  # strict: every tensor comes from some stage
             dtype = PRECISION_DTYPES.get(self.accelerator.mixed_precision, torch.float32)
             self.full_model.to(dtype).save_pretrained(partial_dir(out_dir))
             tokenizer.save_pretrained(partial_dir(out_dir))
+            mark_export(partial_dir(out_dir))
             replace_dir(out_dir)
         self.accelerator.wait_for_everyone()
         return out_dir

@@ -32,7 +32,7 @@ from pathlib import Path
 from accelerate.utils import broadcast_object_list
 
 from common.config import ConfigError, same_on_every_rank
-from common.files import write_json
+from common.export import not_an_export
 
 LOCK_FILE = ".run.lock"
 _held = []  # the locked descriptors: open until the process ends
@@ -104,51 +104,15 @@ def claim(folder: str | Path, accelerator) -> None:
 
 
 SUMMARY, METRICS, REQUEUE, EXPORT = "run_summary.json", "metrics.jsonl", "requeue.json", "model"
-# The export's marker: written into model/ when train.py's export is in place, listing its files. A
-# folder at model/ is this project's export (a later run may replace it) only with the marker and no
-# file beyond those it lists; anything else there, a user's `model/` package or a model they put
-# there, is refused before any work. (A kill between the export's swap and the marker leaves an
-# export without one: refused too, never replaced; common/export.py's own swap stays whole.)
-MARKER = ".accelerate_recipes_export.json"
-WRITTEN_BY = "accelerate-recipes train.py"
-
-
-def mark_export(folder: str | Path) -> None:
-    """The marker, into the export folder just written (rank 0)."""
-    folder = Path(folder)
-    written = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
-    write_json(folder / MARKER, {"written_by": WRITTEN_BY, "files": [f for f in written if f != MARKER]})
-
-
-def not_an_export(folder: str | Path) -> str | None:
-    """None when `folder` is missing or an export of this project (its marker lists every file in
-    it); else what it is instead, in a few words naming what is there."""
-    folder = Path(folder)
-    if not os.path.lexists(folder):
-        return None
-    if folder.is_symlink() or not folder.is_dir():
-        return "a symbolic link" if folder.is_symlink() else "a file, not a folder"
-    present = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if not p.is_dir())
-    try:
-        marker = json.loads((folder / MARKER).read_text())
-        listed = set(marker["files"]) if marker.get("written_by") == WRITTEN_BY else None
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        listed = None
-    shown = ", ".join(present[:4]) + (f" and {len(present) - 4} more" if len(present) > 4 else "")
-    if listed is None:
-        return f"no export marker {MARKER}; holds {shown or 'nothing'}"
-    extra = [name for name in present if name not in listed and name != MARKER]
-    if extra:
-        return f"an export with files it did not write: {', '.join(extra[:4])}"
-    return None
 
 
 @same_on_every_rank()  # every rank reads the same folder
 def check_ours(cfg) -> None:
     """Each name in --output_dir that a run replaces or deletes is this project's, or the run is
     refused (--overwrite_output_dir included) in one line naming it: `model/` an export with its
-    marker (MARKER, above), run_summary.json a JSON object with its "recipe", metrics.jsonl empty or
-    starting with a JSON object with its "kind", requeue.json a JSON object with its "resume_with".
+    marker (common/export.py's not_an_export, which the export itself checks too), run_summary.json a
+    JSON object with its "recipe", metrics.jsonl empty or starting with a JSON object with its "kind",
+    requeue.json a JSON object with its "resume_with".
     Any other name is never touched and stops nothing. (Checkpoints: checkpoint.py, by run id.)"""
     folder = Path(cfg.output_dir)
     found = []
@@ -160,8 +124,8 @@ def check_ours(cfg) -> None:
         if why:
             found.append(f"{name} ({why})")
     if found:
-        raise ConfigError(f"{folder} holds {'; '.join(found)}: this project did not write it, and a run here would "
-                          "replace it; move it away, or choose another --output_dir")
+        raise ConfigError(f"{folder} holds {'; '.join(found)}: nothing marks it as this project's, and a run here "
+                          "would replace it; move it away, or choose another --output_dir")
 
 
 def _not_ours(path: Path, key: str) -> str | None:
