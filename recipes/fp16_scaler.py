@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from common import config, data, guard
 from common import model as modeling
-from common.export import export_pretrained
+from common.export import check_replaceable, export_pretrained
 from common.files import write_json
 
 
@@ -50,6 +50,8 @@ class Options(config.Fp16Options, config.RecipeConfig):
 def main(argv=None):
     cfg = config.parse(Options, argv, recipe=Path(__file__).name)
     modeling.check_seq_len(cfg)
+    if cfg.save_model:  # a model/ that the export may not replace: refused now, not after training
+        check_replaceable(Path(cfg.output_dir) / "model")
 
     # Mixed precision, device and process count come from the launch config. The LR schedule is
     # stepped by us once per optimizer step (accelerate would step it world_size times).

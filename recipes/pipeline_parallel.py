@@ -47,6 +47,7 @@ import dataclasses
 from accelerate.utils import gather_object
 
 from common import model as modeling
+from common.export import check_replaceable
 from common.files import write_json
 from train_extras.parallel.pipeline import Pipeline, check_micro_batches, check_pipeline_layout
 # End new
@@ -63,6 +64,8 @@ class Options(config.AccumulationOptions, config.RecipeConfig):
 def main(argv=None):
     cfg = config.parse(Options, argv, recipe=Path(__file__).name)
     modeling.check_seq_len(cfg)
+    if cfg.save_model:  # a model/ that the export may not replace: refused now, not after training
+        check_replaceable(Path(cfg.output_dir) / "model")
     # New: --gradient_accumulation_steps is the number of micro-batches per step, one pipeline step
     micro_batches = cfg.gradient_accumulation_steps
     # End new

@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 
 from common import config, data, guard
 from common import model as modeling
-from common.export import export_pretrained
+from common.export import check_replaceable, export_pretrained
 from common.files import write_json
 # New: the model-family check and transformers' TP loading (train_extras/parallel/tensor_parallel.py).
 from train_extras.parallel import tensor_parallel
@@ -64,6 +64,8 @@ class Options(config.RecipeConfig):
 def main(argv=None):
     cfg = config.parse(Options, argv, recipe=Path(__file__).name)
     modeling.check_seq_len(cfg)
+    if cfg.save_model:  # a model/ that the export may not replace: refused now, not after training
+        check_replaceable(Path(cfg.output_dir) / "model")
     # New: the process count against the config's tp_size, before accelerate builds the mesh.
     tensor_parallel.check_launch_sizes(Path(__file__).name)
     # End new

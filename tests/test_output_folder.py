@@ -98,16 +98,16 @@ def test_a_name_the_run_would_replace_held_by_a_users_file_is_refused_even_with_
 
 def test_a_focused_recipe_refuses_to_export_over_a_users_model_package(tmp_path, capsys, in_process):  # noqa: F811
     """The focused recipes export through common/export.py too, which replaced whatever was at
-    model/: the same refusal there, at the export (they have no start-up check), the package kept."""
+    model/: the same refusal, at start-up (before any training), the package kept."""
     out = tmp_path / "run"
     users_model_package(out)
     before = contents(out)
     argv = CORE_DEBUG_ARGS + ["--max_steps", "2", "--warmup_steps", "1", "--eval_every", "0", "--output_dir", str(out)]
     assert config.run_cli(load_recipe("bf16_baseline").main, argv) == 2
-    err = capsys.readouterr().err  # after the progress bars of the data and the training
-    assert err.endswith(f"\nerror: {out}/model (no export marker {MARKER}; holds __init__.py, net.py): nothing marks "
-                        "it as an export of this project, and the export would replace it; move it away, or choose "
-                        "another --output_dir\n") and err.count("error") == 1, err[-2000:]
+    err = capsys.readouterr().err  # the one line, and nothing before it: no data, no training
+    assert err == (f"error: {out}/model (no export marker {MARKER}; holds __init__.py, net.py): nothing marks "
+                   "it as an export of this project, and the export would replace it; move it away, or choose "
+                   "another --output_dir\n"), err[-2000:]
     assert contents(out) == before
 
 
