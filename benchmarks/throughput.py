@@ -81,7 +81,7 @@ def main():
                      f"{row['flops_over_best_ceiling']:.1%}" if ceiling else "-",
                      f"{rss / 2**30:.2f}", f"{row['final_loss']:.3f}"])
         print(f"{label}: {tokens_per_s:,.0f} tokens/s, MFU {mfu:.1%}", flush=True)
-    notes = ["Model GFLOP/s = flops_per_token (6N + 12LHQT) x tokens/s per device. Peak = datasheet on GPUs; on CPU "
+    notes = ["Model GFLOP/s = flops_per_token (6N + attention) x tokens/s per device. Peak = datasheet on GPUs; on CPU "
              "a 1024x1024 matmul in the run's dtype, measured at start with the process's threads (so a 1-thread "
              "process of a 2-process run is measured against 1 thread). Memory: CUDA max allocated on GPUs, peak "
              "RSS on CPU (rank 0)."]

@@ -189,7 +189,7 @@ def resume_point(cfg, accelerator):
 @dataclasses.dataclass
 class ModelFacts:
     tp_layout: dict | None  # the mesh parallelism_config asks for: {"dp_shard": M, "tp": N}
-    flops_per_token: float  # from the parameters a token goes through (MoE: its top-k experts')
+    flops: dict  # flops.flops(): per token as the model spends them (for MFU), the active figure
     inactive_parameters: int  # MoE: the routed experts' weights a token does not go through
     route: dict | None  # a mixture of experts: experts, top-k, the router loss's weight
     attention: str  # the attention kernel that runs (auto: the one transformers picks)
@@ -206,8 +206,8 @@ def model_facts(cfg, accelerator, vocab_size: int) -> ModelFacts:
         attention = meta.config._attn_implementation
     counts = flops.parameter_counts(model_cfg, meta)
     inactive = counts["total"] - counts["active"]
-    flops_per_token = flops.flops_per_token(model_cfg, cfg.seq_len, meta)
-    return ModelFacts(tensor_parallel.layout(accelerator), flops_per_token, inactive,
+    counted = flops.flops(model_cfg, cfg.seq_len, meta)
+    return ModelFacts(tensor_parallel.layout(accelerator), counted, inactive,
                       moe.route_for(cfg, model_cfg, meta), attention)
 
 
@@ -264,12 +264,12 @@ def start_record(cfg, accelerator, train_data: TrainData, facts: ModelFacts) -> 
     peak = metrics.peak_flops(accelerator)  # per device, for MFU (measured on a CPU: ~0.7 s)
     train_set, eval_sets = train_data.train_set, train_data.eval_sets
     eval_count = sum(len(eval_set) for eval_set in eval_sets.values())
-    flops_per_token, route = facts.flops_per_token, facts.route
+    counted, route = facts.flops, facts.route
     if accelerator.is_main_process:
         print(config.describe_setup(setup, {
             "model": cfg.model_name_or_path or f"preset {cfg.preset} (random init)",
             "attention": facts.attention + (" (auto)" if cfg.attn_implementation == "auto" else ""),
-            "FLOPs/token": f"{flops_per_token:.3e} (6N + 12LHQT)",
+            "FLOPs/token": f"{counted['per_token']:.3e} ({counted['counted']})",
             "peak for MFU": (f"{peak['tflops']:.3g} TFLOP/s per device, {peak['source']}"
                              if peak["tflops"] else f"unknown ({peak['source']}): no MFU"),
             "data": f"{'streamed' if cfg.streaming else len(train_set)} train / "
@@ -288,7 +288,8 @@ def start_record(cfg, accelerator, train_data: TrainData, facts: ModelFacts) -> 
     tokens_per_step = (cfg.micro_batch_size * cfg.seq_len * cfg.gradient_accumulation_steps
                        * config.data_parallel_size(accelerator))  # ranks with batches of their own
     return RunRecord(accelerator, cfg, setup, peak=peak, data=data_facts,
-                     tokens_per_step=tokens_per_step, flops_per_token=flops_per_token)
+                     tokens_per_step=tokens_per_step, flops_per_token=counted["per_token"],
+                     flops=counted)
 
 
 # ---- the model and what trains it ----

@@ -289,6 +289,12 @@ def test_every_interval_records_throughput_mfu_memory_and_eta(train_run):
     assert summary["throughput"][-1]["eta_s"] == 0
     assert summary["throughput"][0]["eta_s"] > 0
     assert 0 < summary["mfu_median"] < 1
+    model = summary["model"]  # MFU's figure, what it counts, and the one from the active weights (dense: equal)
+    assert model["flops_counted"] == "6N + 2 softmax attention"
+    assert model["flops_per_token_active"] == model["flops_per_token"]
+    for interval in summary["throughput"]:
+        assert interval["model_tflops_per_device"] == pytest.approx(
+            interval["tokens_per_s_per_device"] * model["flops_per_token"] / 1e12)
 
 
 @pytest.mark.quick

@@ -111,8 +111,10 @@ def _compute_line(shape: ModelShape, req: Request) -> str | None:
                  "below are a dense block's of the same widths: the experts' own are not modelled)")
     else:
         which = f"{_count(shape.n_params)} total (memory), {_count(shape.active_params)} active per token (dense)"
-    return (f"Parameters: {which}. Compute: {fpt:.3e} FLOPs/token at seq_len {req.seq_len} (6N + 12LHQT, N = "
-            f"{_count(shape.active_matmul_params)} active matmul weights), {fpt * tokens:.3e} training FLOPs per GPU "
+    weights = (f"{_count(shape.spent_matmul_params)} matmul weights: {shape.dense_experts} runs every expert on "
+               "every token" if shape.dense_experts else f"{_count(shape.active_matmul_params)} active matmul weights")
+    return (f"Parameters: {which}. Compute: {fpt:.3e} FLOPs/token at seq_len {req.seq_len} (6N + each layer's "
+            f"attention or recurrence, N = {weights}), {fpt * tokens:.3e} training FLOPs per GPU "
             f"per micro-batch ({tokens} tokens).")
 
 

@@ -105,16 +105,21 @@ class ModelShape:
     # but sends each token through top_k of its `experts` routed ones. Dense: active_params == n_params.
     active_params: int | None = None  # parameters one token uses (flops.parameter_counts "active")
     active_matmul_params: int | None = None  # N of 6N (flops.active_matmul_params)
-    attention_flops: int = 0  # 12 * L * H * Q: FLOPs per token per position of context
+    # N as MFU counts it: every expert where the experts module runs them all (flops.dense_experts)
+    spent_matmul_params: int | None = None
+    dense_experts: str | None = None
+    mixers: tuple = ()  # each layer's attention / SSM / linear attention (flops.mixers)
     experts: int = 0  # routed experts per MoE layer (0: dense)
     top_k: int = 0  # of them per token
     muon_params: int = 0  # --optimizer muon's part: the hidden matrices (train_extras/muon.py); AdamW has the rest
 
     def flops_per_token(self, seq_len: int) -> float | None:
         """Training FLOPs per token at seq_len, as train.py's MFU counts them (flops.flops_per_token)."""
-        if self.active_matmul_params is None:
+        if self.spent_matmul_params is None:
             return None
-        return 6 * self.active_matmul_params + self.attention_flops * seq_len
+        from train_extras.observe import flops
+
+        return flops.per_token(self.spent_matmul_params, self.mixers, seq_len)
 
     @property
     def dims(self) -> tuple:
@@ -163,7 +168,7 @@ def model_shape(preset: str | None = None, model_name_or_path: str | None = None
     try:  # compute from the parameters a token uses (a mixture of experts: top-k of its experts)
         counts, moe = flops.parameter_counts(config, model), flops.routed_experts(config, model)
         active_matmul = flops.active_matmul_params(config, model)
-        dims = flops.dimensions(config)
+        mixers, dense = flops.mixers(config, model), flops.dense_experts(config, model)
     except ConfigError as err:
         raise PlanError(str(err)) from None
     block_names = set(getattr(model, "_no_split_modules", None) or [])
@@ -204,7 +209,9 @@ def model_shape(preset: str | None = None, model_name_or_path: str | None = None
             preset=preset if model_name_or_path is None else None,
             active_params=counts["active"],
             active_matmul_params=active_matmul,
-            attention_flops=12 * dims["layers"] * dims["heads"] * dims["head_dim"],
+            spent_matmul_params=flops.matmul_params(config, model) if dense else active_matmul,
+            dense_experts=dense,
+            mixers=mixers,
             experts=moe["experts"] if moe else 0,
             top_k=moe["top_k"] if moe else 0,
             muon_params=sum(p.numel() for p in muon.hidden_matrices(model)),

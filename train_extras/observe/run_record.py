@@ -156,9 +156,12 @@ class RunRecord:
     fetched once per log interval (the one sync that also makes the interval's timing honest)."""
 
     def __init__(self, accelerator, cfg, setup: dict, *, peak: dict, data: dict, tokens_per_step: int,
-                 flops_per_token: float):
+                 flops_per_token: float, flops: dict | None = None):
         self.accelerator, self.cfg, self.main = accelerator, cfg, accelerator.is_main_process
         self.tokens_per_step, self.flops_per_token, self.peak_tflops = tokens_per_step, flops_per_token, peak["tflops"]
+        # flops.flops(): beside MFU's figure, the one from the active weights and what is counted
+        self.flops_counted = {} if flops is None else {"flops_per_token_active": flops["active"],
+                                                       "flops_counted": flops["counted"]}
         self.summary = {"recipe": "train.py", "setup": setup, "model": None, "peak_flops_per_device": peak,
                         "data": data, "losses": [], "eval": [], "samples": [], "throughput": []}
         self.metrics = MetricsFile(cfg.output_dir, None, enabled=False)  # opened by open_metrics
@@ -169,7 +172,8 @@ class RunRecord:
     def model(self, parameters: int, active_parameters: int, compiled_regions: dict) -> None:
         """active_parameters: per token (a mixture of experts: its top-k experts'; dense: all)."""
         self.summary["model"] = {"parameters": parameters, "active_parameters": active_parameters,
-                                 "flops_per_token": self.flops_per_token, "compiled_regions": compiled_regions}
+                                 "flops_per_token": self.flops_per_token, **self.flops_counted,
+                                 "compiled_regions": compiled_regions}
 
     def start_trackers(self, resume_meta: dict | None) -> dict:
         """The tracker run's identity (kept in every checkpoint) and, unless --eval_only, the
