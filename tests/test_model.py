@@ -35,9 +35,8 @@ def test_flops_per_token_by_hand():
     # per layer: q 8*8 + k 8*4 + v 8*4 + o 8*8 = 192; mlp 3*8*16 = 384; two norms 16 -> 592
     # total: 2*592 + final norm 8 + lm_head 100*8 = 1992
     assert matmul_params(config) == 1992
-    # 6N + per layer (L=2) QK^T and AV, 2 * H * (Q + Q) FLOPs a causal (query, key) pair (H=2, Q=4), x3 for
-    # training, over the T(T+1)/2 pairs of T=32 positions, per token
-    assert flops_per_token(config, 32) == 6 * 1992 + 2 * 3 * 2 * 2 * (4 + 4) * (32 * 33 // 2) / 32
+    # 6N + 12 * L * H * Q * T with L=2, H=2, Q=4, T=32
+    assert flops_per_token(config, 32) == 6 * 1992 + 12 * 2 * 2 * 4 * 32
 
 
 def test_weight_decay_only_on_matrices():

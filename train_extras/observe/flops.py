@@ -3,7 +3,9 @@ layers, heads and width under every family's names, the parameters a token multi
 (for a mixture of experts, only the top-k of its routed experts: `active_matmul_params`), each
 layer's token mixer (softmax attention and its window, MLA, gated DeltaNet, Mamba, Mamba2, lightning
 attention, short convolutions: `mixers`), and the training FLOPs per token that MFU is measured
-against (`flops`)."""
+against (`flops`). Softmax attention follows PaLM's count (appendix B; 6N + 12LHQT for a dense
+model): every query against every key of its span, the causal mask ignored, as nanoGPT, Megatron and
+torchtitan count it, so that MFU compares with the figures they report."""
 
 from __future__ import annotations
 
@@ -290,15 +292,11 @@ def mixers(config, model: nn.Module | None = None) -> tuple[Mixer, ...]:
 
 
 def attended_pairs(seq_len: int, window: int | None = None, chunk: int | None = None) -> int:
-    """(query, key) pairs a causal layer scores over seq_len positions: position p (1-based) sees p
-    keys, min(window, p) in a sliding window (transformers: kv > q - window), and only its own chunk's
-    in chunked attention (Llama 4: (p - 1) % chunk + 1)."""
-    if chunk:
-        full, rest = divmod(seq_len, chunk)
-        return full * chunk * (chunk + 1) // 2 + rest * (rest + 1) // 2
-    if window and window < seq_len:
-        return window * (window + 1) // 2 + (seq_len - window) * window
-    return seq_len * (seq_len + 1) // 2
+    """(query, key) pairs a softmax layer is counted for over seq_len positions, as PaLM's 12LHQT counts
+    them: every query against min(span, seq_len) keys, the span all seq_len positions, the window
+    (sliding) or the chunk (Llama 4's chunked attention), so a span covering the sequence costs a full
+    layer."""
+    return seq_len * min(window or chunk or seq_len, seq_len)
 
 
 def sequence_flops(m: Mixer, seq_len: int) -> int:
@@ -306,8 +304,8 @@ def sequence_flops(m: Mixer, seq_len: int) -> int:
     its weights: its matmuls, 2 FLOPs a multiply-add; the elementwise work (softmax, decays, gates)
     is not counted, as for attention, except in Mamba's scan, which is all elementwise.
 
-    attention: QK^T and AV over the attended pairs, 2 * heads * (qk + v) each: a causal count (the
-      masked half is not counted: flash/SDPA kernels skip it); MLA with its own qk and v sizes.
+    attention: QK^T and AV over the attended pairs, 2 * heads * (qk + v) each; MLA with its own qk
+      and v sizes.
     mamba: the selective scan, token by token as transformers' loop and mamba_ssm's kernel run it:
       per channel and state, dt*A, dt*B, *x, the state's multiply and add, and C's multiply-add: 7
       (A's own d_inner x N entries are in N as well, as every parameter is: 6 more each, a token).
@@ -366,9 +364,8 @@ def flops(config, seq_len: int, model: nn.Module | None = None) -> dict:
     {"per_token": what the implementation spends (MFU is measured against it), "active": the same
     from the active weights (a mixture of experts: top-k of its routed ones), "dense_experts": the
     experts class that runs every expert on every token (per_token then counts all of them) or None
-    (per_token == active), "counted": what is counted, in words}. Not counted: document masks
-    (attention within packed documents only is cheaper still), the masked blocks a kernel computes
-    anyway (eager attention scores every pair)."""
+    (per_token == active), "counted": what is counted, in words}. Softmax attention by the PaLM
+    convention (attended_pairs), so neither the causal mask nor document masks lower it."""
     model = meta_model(config) if model is None else model
     found = mixers(config, model)
     dense = dense_experts(config, model)
