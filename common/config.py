@@ -347,7 +347,7 @@ def setup_facts(cfg, accelerator, options: dict | None = None, data_ranks: int |
     of cfg (default: all of it; train.py passes them with secrets removed).
     data_ranks: ranks with batches of their own, where the recipe knows better than the mesh (pipeline: 1)."""
     world = data_ranks or data_parallel_size(accelerator)
-    accumulation = cfg.gradient_accumulation_steps if isinstance(cfg, AccumulationOptions) else 1  # a core group
+    accumulation = getattr(cfg, "gradient_accumulation_steps", 1)  # AccumulationOptions, or a recipe's own
     sequences = cfg.micro_batch_size * accumulation * world
     return {  # data_parallel_size: ranks with different batches; tensor_parallel_size: ranks splitting matrices
         "options": dataclasses.asdict(cfg) if options is None else options,

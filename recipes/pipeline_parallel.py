@@ -8,11 +8,12 @@
 
 Naive model parallel places layers on different GPUs and passes one batch through them: only one
 GPU works at a time. A pipeline cuts each optimizer step's batch into micro-batches
-(--gradient_accumulation_steps of them, --micro_batch_size sequences each) so that stage s works on
-micro-batch m while stage s+1 works on m-1. torch's 1F1B schedule (torch.distributed.pipelining)
-runs one backward as soon as one forward has reached the last stage, so a stage keeps the
-activations of at most `stages` micro-batches, not all of them. The idle time ("bubble") is
-(stages - 1) / (micro-batches + stages - 1) of a step: 1/5 with 2 stages and 4 micro-batches.
+(--gradient_accumulation_steps of them, by default one per stage; --micro_batch_size sequences
+each) so that stage s works on micro-batch m while stage s+1 works on m-1. torch's 1F1B schedule
+(torch.distributed.pipelining) runs one backward as soon as one forward has reached the last
+stage, so a stage keeps the activations of at most `stages` micro-batches, not all of them. The
+idle time ("bubble") is (stages - 1) / (micro-batches + stages - 1) of a step: 1/5 with 2 stages
+and 4 micro-batches, 1/3 with 2 stages and the default 2.
 Gradients add up over the micro-batches (each micro-batch's loss is its token sum over the step's
 token count), so one optimizer step equals one step on the whole batch.
 
@@ -24,11 +25,16 @@ spread over many machines, combined with data and tensor parallelism (this recip
 accelerate 1.15's ParallelismConfig has no pipeline dimension, so the launch config only provides
 the processes (ddp.yaml: one per GPU; nothing is wrapped in DDP) and this recipe makes every rank
 one stage. Every rank builds the full model with the same seed, keeps its layers (the first stage
-also the embedding, the last the final norm and the LM head; tied embeddings are refused) and reads
-the whole batch (the first stage needs the inputs, the last the labels). Gradient clipping uses the
-norm of the whole model (squared norms summed over stages). Export: rank 0 gathers every stage's
-weights into the full model and writes one Hugging Face folder; the probe logits come through the
-pipeline. The delta against bf16_baseline.py is marked `# New:`.
+also the embedding, the last the final norm and the LM head) and reads the whole batch (the first
+stage needs the inputs, the last the labels). Each stage runs the family's own forward over its
+layers (embedding and logit scaling, soft-capping, sliding windows, rotary per layer type), and a
+start-up probe checks that the stages one after the other give the whole model's logits. A tied
+head is a copy on the last stage of the first stage's embedding: their gradients are summed before
+each step, so both stay equal. Gradient clipping uses the norm of the whole model (squared norms
+summed over stages). Export: rank 0 gathers every stage's weights into the full model and writes
+one Hugging Face folder; the probe logits come through the pipeline. Mixtures of experts are
+refused (their router loss is not carried across stages). The delta against bf16_baseline.py is
+marked `# New:`.
 """
 
 import sys
@@ -49,15 +55,15 @@ from accelerate.utils import gather_object
 from common import model as modeling
 from common.export import check_replaceable
 from common.files import write_json
-from train_extras.parallel.pipeline import Pipeline, check_micro_batches, check_pipeline_layout
+from train_extras.parallel.pipeline import MicroBatchOptions, Pipeline, check_micro_batches, check_pipeline_layout
 # End new
 
 
 # New: --gradient_accumulation_steps is the number of micro-batches in flight per pipeline step.
 @dataclass
-class Options(config.AccumulationOptions, config.RecipeConfig):
+class Options(MicroBatchOptions, config.RecipeConfig):
     """The core options, and the micro-batches per step (--gradient_accumulation_steps)."""
-    check_order = (*config.RecipeConfig.check_order, config.AccumulationOptions)
+    check_order = (*config.RecipeConfig.check_order, MicroBatchOptions)
 # End new
 
 
@@ -66,9 +72,6 @@ def main(argv=None):
     modeling.check_seq_len(cfg)
     if cfg.save_model:  # a model/ that the export may not replace: refused now, not after training
         check_replaceable(Path(cfg.output_dir) / "model")
-    # New: --gradient_accumulation_steps is the number of micro-batches per step, one pipeline step
-    micro_batches = cfg.gradient_accumulation_steps
-    # End new
 
     # Mixed precision, device and process count come from the launch config. The LR schedule is
     # stepped by us once per optimizer step (accelerate would step it world_size times).
@@ -79,10 +82,10 @@ def main(argv=None):
     if not 2 <= accelerator.num_processes <= model_cfg.num_hidden_layers:
         raise config.ConfigError(f"{Path(__file__).name} needs 2 to {model_cfg.num_hidden_layers} processes (one "
                                  f"stage each, at least one layer per stage); got {accelerator.num_processes}")
-    if getattr(model_cfg, "tie_word_embeddings", False):
-        raise config.ConfigError(f"{Path(__file__).name}: tied embeddings would span the first and the last stage")
     check_pipeline_layout(model_cfg, Path(__file__).name)
+    micro_batches = cfg.gradient_accumulation_steps or accelerator.num_processes  # default: one per stage
     check_micro_batches(micro_batches, accelerator.num_processes, Path(__file__).name)
+    cfg = dataclasses.replace(cfg, gradient_accumulation_steps=micro_batches)  # as the setup block and summary say
     # End new
     if accelerator.mixed_precision == "fp16":
         raise config.ConfigError(f"{Path(__file__).name} does not handle fp16 loss scaling; use fp16_scaler.py")
@@ -103,7 +106,7 @@ def main(argv=None):
         print(config.describe_setup(setup), flush=True)
 
     # New: the same full model on every rank (same seed), then this rank's stage of it
-    pipeline = Pipeline(modeling.build_model(cfg, len(tokenizer)), accelerator, micro_batches)
+    pipeline = Pipeline(modeling.build_model(cfg, len(tokenizer)), accelerator, micro_batches, Path(__file__).name)
     model = pipeline.module  # this stage's layers: what this rank trains
     optimizer = modeling.build_optimizer(model, cfg, accelerator.device)
     scheduler = modeling.build_scheduler(optimizer, cfg)

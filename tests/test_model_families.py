@@ -182,11 +182,16 @@ def test_a_family_without_a_tensor_parallel_plan_is_refused(family_models):
 
 
 @pytest.mark.quick
-def test_the_pipeline_recipe_takes_llama_layouts_and_refuses_others(family_models):
-    pipeline.check_pipeline_layout(AutoConfig.from_pretrained(family_models["qwen2"]), "pipeline_parallel.py")
-    for family in ("gpt2", "gpt_neox"):
-        with pytest.raises(ConfigError, match="pipeline_parallel.py splits Llama-layout models"):
-            pipeline.check_pipeline_layout(AutoConfig.from_pretrained(family_models[family]), "pipeline_parallel.py")
+def test_the_pipeline_recipe_takes_models_with_a_list_of_blocks_and_refuses_others(family_models):
+    """GPT-NeoX (embed_in/embed_out, parallel residual, partial rotary) is cut by its own forward as
+    Qwen2 is; GPT-2 keeps its blocks in .h and is refused in one line."""
+    for family in ("qwen2", "gpt_neox"):
+        pipeline.check_pipeline_layout(AutoConfig.from_pretrained(family_models[family]), "pipeline_parallel.py")
+        model = AutoModelForCausalLM.from_pretrained(family_models[family])
+        pipeline.check_stages(model, [0, 1, 2], "pipeline_parallel.py")  # the stages give its own logits
+    with pytest.raises(ConfigError, match=r"^pipeline_parallel.py splits models whose decoder keeps its blocks in one "
+                                          r"list, .layers \(.*\); the GPT2 model is laid out otherwise$"):
+        pipeline.check_pipeline_layout(AutoConfig.from_pretrained(family_models["gpt2"]), "pipeline_parallel.py")
 
 
 @pytest.fixture
