@@ -138,7 +138,7 @@ def test_a_hybrid_trains_with_the_default_options_and_says_its_documents_see_eac
     out = tmp_path / "run"
     args = ["--model_name_or_path", str(folder), "--tokenizer_name_or_path", str(tmp_path / "tokenizer"),
             "--data_files", SYNTHETIC, "--seq_len", "64", "--micro_batch_size", "8", "--max_steps", "8",
-            "--warmup_steps", "2", "--eval_every", "8", "--log_every", "4", "--save_every", "4",
+            "--warmup_steps", "2", "--eval_every", "8", "--eval_batches", "2", "--log_every", "4", "--save_every", "4",
             "--sample_length", "0", "--save_model", "false", "--output_dir", str(out)]
     run = Run(out, launch("train.py", args, hf_home))
     documents = run.summary["setup"]["documents"]
