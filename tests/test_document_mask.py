@@ -119,9 +119,11 @@ def test_the_option_is_auto_true_or_false(tmp_path):
     assert parse_train(["--config", str(tmp_path / "c.yaml")]).document_mask == "false"
     with pytest.raises(ConfigError, match="document_mask.*invalid choice: 'yes'"):
         parse_train(["--document_mask", "yes"])
-    # false asks the model nothing
+    # false asks the model nothing, nor does one document per row
     assert document_mask.resolve(None, None, parse_train(["--document_mask", "false"]), VOCAB, None) == (
         "none", "--document_mask false")
+    assert document_mask.resolve(None, None, parse_train(["--packing", "false"]), VOCAB, None) == ("rows", None)
+    assert document_mask.describe("rows", None) == "one per row (--packing false): none to keep apart"
 
 
 # ---- launched: a hybrid with the default options ----

@@ -38,6 +38,7 @@ from train_extras import model_probe
 
 POSITIONS = "position_ids"
 NONE = "none"  # the documents of a block see each other (no position ids passed, as --document_mask false)
+ROWS = "rows"  # --packing false: one document per row, nothing to keep apart
 # What may keep documents apart besides the position ids: each combination, the fewest inputs first.
 EXTRAS = tuple(combo for size in (1, 2, 3)
                for combo in itertools.combinations(("masks", "seq_idx", "cu_seq_lens"), size))
@@ -48,6 +49,8 @@ KERNEL_REFUSAL = "can't keep packed sequences apart"  # transformers' torch path
 
 def describe(mode: str, why: str | None) -> str:
     """The setup block's line."""
+    if mode == ROWS:
+        return "one per row (--packing false): none to keep apart"
     if mode == NONE:
         return f"not kept apart ({why}): packed documents see each other"
     return "kept apart (" + " + ".join(SHOWN.get(part, part) for part in mode.split("+")) + ")"
@@ -58,7 +61,7 @@ def resolve(model, accelerator, cfg, vocab_size: int, saved: str | None) -> tupl
     run resumes (it continues as it trained). Every rank runs the same probes (a sharded model needs
     them all) and reaches the same answer."""
     if not cfg.packing:
-        return NONE, "--packing false: one document per row"
+        return ROWS, None
     if cfg.document_mask == "false":
         return NONE, "--document_mask false"
     if saved == NONE:  # true: refused before any work (checkpoint.check_documents), but for --eval_only
@@ -161,8 +164,8 @@ def install(model, accelerator, mode: str) -> list:
     probes), made from the position ids each batch brings, at the model's base (the decoder below the
     head: a head's own use of the attention mask, such as GPT-OSS's router loss, keeps None);
     generate's forwards are left as they are. Returns the hooks' handles (none for position ids
-    alone: the batch brings them)."""
-    if mode == POSITIONS:
+    alone, which the batch brings, nor for one document per row)."""
+    if mode in (POSITIONS, ROWS):
         return []
     flattened = []  # the (rows, seq_len) of the forward under way, when its rows go in as one
 
