@@ -39,7 +39,7 @@ def time_setting(text_file: str, preset: str, micro_batch: int, seq_len: int) ->
                       attn_implementation="sdpa", max_steps=100000)
     tokenizer = data.build_tokenizer(cfg)
     masked = assemble.build(cfg, tokenizer).train
-    unmasked = assemble.build(dataclasses.replace(cfg, document_mask=False), tokenizer).train
+    unmasked = assemble.build(dataclasses.replace(cfg, document_mask="false"), tokenizer).train
     torch.manual_seed(0)
     model = modeling.build_model(cfg, len(tokenizer))
     optimizer = modeling.build_optimizer(model, cfg, torch.device("cpu"))

@@ -25,7 +25,8 @@ hold the schedule); gradient accumulation with the loss normalised by the step's
 over all micro-batches and ranks; clipping on the full gradient (pre-clip norm logged); NaN/inf
 losses skipped, counted, and fatal after --max_nonfinite_steps in a row; four LR schedules;
 held-out eval; data as text or conversations (chat template, loss on the assistant's tokens),
-packed with document masks (positions restart, no attention across documents), from one source
+packed with document masks that fit the model (asked of it: positions restart, attention and
+recurrent state kept apart where its layers can, else said), from one source
 or a weighted mixture with a held-out loss per source (train_extras/data/: sources, formats,
 render, packing); gradient checkpointing; pretrained start; resumable, atomic, rotated checkpoints
 with exact resume; fused AdamW; tqdm bar with loss, lr and tokens/s on a terminal, one plain line
@@ -63,8 +64,8 @@ from common import config, data, guard
 from common import model as modeling
 from common.export import export_pretrained
 from common.files import partial_dir
-from train_extras import chunked_loss, moe, muon
-from train_extras.data import assemble, at_scale, packing, render
+from train_extras import chunked_loss, document_mask, moe, muon
+from train_extras.data import assemble, at_scale, render
 from train_extras.observe import flops, metrics, run_record, tracking
 from train_extras.observe.run_record import RunRecord
 from train_extras.observe.sampling import sample_text
@@ -83,7 +84,7 @@ def main(argv=None):
     facts = model_facts(cfg, accelerator, len(tokenizer))  # from its config: no weights yet
     train_data = prepare_data(cfg, accelerator, tokenizer, facts, resume_path, resume_meta)
     record = start_record(cfg, accelerator, train_data, facts)
-    run = build(cfg, accelerator, tokenizer, train_data, facts, record)
+    run = build(cfg, accelerator, tokenizer, train_data, facts, record, resume_meta)
     run.saved["tracker_run"] = record.start_trackers(resume_meta)
     run.saved["run_id"] = checkpoint.run_id(cfg, resume_path, resume_meta, accelerator)
     start = restore(run, record, resume_path, resume_meta)
@@ -274,8 +275,7 @@ def start_record(cfg, accelerator, train_data: TrainData, facts: ModelFacts) -> 
                              if peak["tflops"] else f"unknown ({peak['source']}): no MFU"),
             "data": f"{'streamed' if cfg.streaming else len(train_set)} train / "
                     f"{eval_count} held-out " + (f"blocks of {cfg.seq_len + 1} tokens"
-                                                 if cfg.packing else "documents, padded")
-                    + (", documents masked apart" if cfg.packing and cfg.document_mask else ""),
+                                                 if cfg.packing else "documents, padded"),
             **assemble.describe(train_data.facts),  # conversations dropped, a mixture's shares
             **tensor_parallel.describe_mesh(accelerator),  # HSDP: dp_replicate x dp_shard
             **({"experts": f"{route['experts']}, top-{route['top_k']} per token; "
@@ -313,8 +313,9 @@ class Run:
 
 
 def build(cfg, accelerator, tokenizer, train_data: TrainData, facts: ModelFacts,
-          record: RunRecord) -> Run:
-    """Model (random-init preset or pretrained), optimizer and schedule, through `prepare`."""
+          record: RunRecord, resume_meta: dict | None) -> Run:
+    """Model (random-init preset or pretrained), optimizer and schedule, through `prepare`; what
+    keeps packed documents apart in it (asked of it), given to its forward from here on."""
     dtype = deepspeed_settings.weights_dtype(accelerator)
     model = modeling.build_model(cfg, len(tokenizer), dtype=dtype)
     if cfg.compile:
@@ -343,13 +344,16 @@ def build(cfg, accelerator, tokenizer, train_data: TrainData, facts: ModelFacts,
     else:
         model, optimizer, train_loader, *eval_loaders, scheduler = accelerator.prepare(
             model, optimizer, train_loader, *eval_loaders, scheduler)
-    if cfg.packing and cfg.document_mask:  # asked of the model: some ignore position ids
-        packing.check_kept_apart(model, accelerator, len(tokenizer))
+    documents = document_mask.resolve(model, accelerator, cfg, len(tokenizer),  # a resume: as it trained
+                                      checkpoint.saved_documents(resume_meta, cfg))
+    document_mask.install(model, accelerator, documents[0])
+    record.documents(*documents)
     chunked_loss.check_plain_head(model, loss_head, accelerator, len(tokenizer))
     active = parameters - facts.inactive_parameters  # MoE: a token goes through top-k experts
     record.model(parameters, active, metrics.compiled_regions(model))
     setup = record.summary["setup"]
     saved = {"batches_per_epoch": None if cfg.streaming else len(train_loader),
+             "documents": documents[0],  # what kept packed documents apart: a resume keeps it
              "data": tracking.redact_strings(train_data.identity),  # no secret at rest: redacted
              "config": checkpoint.recorded_options(cfg),
              "setup": {k: setup[k] for k in ("distributed_type", "world_size", "data_parallel_size",
@@ -467,7 +471,7 @@ def forward_backward(run: Run, micro_batches: list, watch, record: RunRecord):
         if run.tp_layout and run.tp_layout["dp_shard"] > 1:  # our fully_shard: not accelerate's
             model.set_requires_gradient_sync(i == accumulation - 1)
         with accelerator.accumulate(model):  # no gradient all-reduce before the last micro-batch
-            positions = batch.get("position_ids")  # --document_mask: restart at each document
+            positions = batch.get("position_ids")  # restart at each document (document_mask.py)
             if run.route is None:
                 micro_sum = chunked_loss.causal_lm_loss(model, run.loss_head, batch["input_ids"],
                                                         batch["labels"], "sum", positions)

@@ -20,6 +20,7 @@ from common.config import ConfigError
 from common.data import build_tokenizer
 from conftest import ROOT, SYNTHETIC, Run, check_exact_resume, launch, launch_two_processes, parse_train
 from synthetic import CHAT_TEMPLATE, conversations_file, save_chat_tokenizer, synthetic_conversations
+from train_extras import document_mask
 from train_extras.data import assemble, formats, packing, render, sources
 from train_extras.resume import checkpoint
 
@@ -330,20 +331,25 @@ NOT_KEPT_APART = {  # BLOOM: ALiBi, no position ids; OPT takes them and still le
 
 @pytest.mark.quick
 @pytest.mark.parametrize("family", [*KEPT_APART, *NOT_KEPT_APART])
-def test_a_model_that_cannot_keep_documents_apart_is_refused(family):
+def test_a_model_that_cannot_keep_documents_apart_is_refused_by_true_and_unmasked_by_auto(family):
+    """Asked of the model (train_extras/document_mask.py; the 2025-2026 families: test_document_mask.py)."""
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config({**KEPT_APART, **NOT_KEPT_APART}[family]())
     accelerator = Accelerator(cpu=True)
+    auto = document_mask.resolve(model, accelerator, parse_train([]), 100, None)
+    assert model.training  # left as it was
     if family in KEPT_APART:
-        packing.check_kept_apart(model, accelerator, 100)
-        assert model.training  # left as it was
+        assert auto == ("position_ids", None)
+        assert document_mask.resolve(model, accelerator, parse_train(["--document_mask", "true"]), 100, None) == auto
     else:
-        with pytest.raises(ConfigError, match=f"--document_mask: {type(model).__name__} does not keep packed "
-                                              "documents apart by their position ids"):
-            packing.check_kept_apart(model, accelerator, 100)
+        name = type(model.config).__name__.removesuffix("Config")
+        assert auto[0] == "none" and auto[1].startswith(f"{name} does not keep packed documents apart: the second of "
+                                                        "two packed documents is "), auto
+        with pytest.raises(ConfigError, match=f"^--document_mask true: {name} does not keep packed documents apart"):
+            document_mask.resolve(model, accelerator, parse_train(["--document_mask", "true"]), 100, None)
 
 
 @pytest.mark.quick
@@ -363,7 +369,8 @@ def test_the_mask_changes_what_trains(train_run, train_run_unmasked):
     assert len(masked) == len(unmasked) == 60
     assert max(abs(a - b) for a, b in zip(masked, unmasked)) > 1e-3
     assert masked[-1] < masked[0] - 1.0 and unmasked[-1] < unmasked[0] - 1.0
-    assert train_run.summary["setup"]["options"]["document_mask"] is True
+    assert train_run.summary["setup"]["options"]["document_mask"] == "auto"
+    assert train_run.summary["setup"]["documents"] == {"mode": "position_ids", "why": None}
 
 
 # ---- mixtures, in-process ----
@@ -510,7 +517,7 @@ def test_a_run_on_conversations_learns_resumes_exactly_and_samples_an_answer(cha
     assert summary["data"]["kind"] == "conversations"
     assert summary["data"]["conversations"]["dropped_overlong"] > 0
     assert "conversations    : " in full.proc.stdout and "dropped overlong" in full.proc.stdout
-    assert "documents masked apart" in full.proc.stdout
+    assert "\ndocuments        : kept apart (position ids)\n" in full.proc.stdout
     losses = [row["loss"] for row in summary["losses"]]
     assert sum(losses[-5:]) / 5 < losses[0] - 1.5, losses
     assert summary["eval"][-1]["loss"] < summary["eval"][0]["loss"] - 1.5, summary["eval"]

@@ -103,14 +103,25 @@ def test_what_a_changed_resume_used_is_what_it_records(changed_resume):
 
 
 def test_a_checkpoint_from_before_document_masks_resumes_only_without_them(train_run):
-    """A checkpoint saved before --document_mask existed has no such option: it trained without
-    masks, so resuming it with them is refused, and --document_mask false continues it."""
+    """A checkpoint saved before --document_mask existed records neither the option nor what kept
+    documents apart ("documents"): it trained without masks. The default (auto) continues it so,
+    --document_mask true is refused, false continues it. One saved with --document_mask true
+    (before auto) trained with them: false is refused, auto and true continue it."""
     saved = checkpoint.verify(step_30(train_run), contents=False)
-    legacy = {**saved, "config": {k: v for k, v in saved["config"].items() if k != "document_mask"}}
-    with pytest.raises(ConfigError, match=r"--document_mask False \(this run: True\)"):
-        checkpoint.check_compatible(step_30(train_run), parse_train(TRAIN_ARGS), SINGLE, legacy)
-    checkpoint.check_compatible(step_30(train_run), parse_train(TRAIN_ARGS + ["--document_mask", "false"]), SINGLE,
-                                legacy)
+    assert saved["documents"] == "position_ids" and saved["config"]["document_mask"] == "auto"
+    before_auto = {key: value for key, value in saved.items() if key != "documents"}
+    legacy = {**before_auto, "config": {k: v for k, v in saved["config"].items() if k != "document_mask"}}
+    masked = {**before_auto, "config": {**saved["config"], "document_mask": True}}
+    assert checkpoint.saved_documents(legacy, parse_train([])) == "none"
+    assert checkpoint.saved_documents(masked, parse_train([])) == "position_ids"
+    for meta, refused, said in ((legacy, "true", r"that see each other: resume with --document_mask auto \(or false\)"),
+                                (masked, "false", r"kept apart \(position_ids\): resume with --document_mask auto")):
+        with pytest.raises(ConfigError, match=said):
+            checkpoint.check_compatible(step_30(train_run), parse_train(TRAIN_ARGS + ["--document_mask", refused]),
+                                        SINGLE, meta)
+        for value in {"auto", "true", "false"} - {refused}:
+            checkpoint.check_compatible(step_30(train_run), parse_train(TRAIN_ARGS + ["--document_mask", value]),
+                                        SINGLE, meta)
 
 
 def test_the_same_options_on_other_data_are_refused(tmp_path, train_run):

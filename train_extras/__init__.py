@@ -2,6 +2,7 @@
 capability:
 
     options.py       train.py's options: the core groups plus its own, checked in a written order
+    document_mask.py what keeps packed documents apart in the model (asked of it at start-up)
     data/            what train.py reads, one file per step of the data flow: sources, formats
                      (messages, ShareGPT, OpenAI parts), render (chat template, trained mask),
                      packing (document masks), assemble (one source or a mixture), at_scale

@@ -33,11 +33,18 @@ def inference(model):
         model.train(was_training)
 
 
+def difference(reference: torch.Tensor, probed: torch.Tensor) -> float | None:
+    """The largest difference of `probed` from `reference` when it passes 1e-4 of the reference's
+    scale (at least 1: float32 round-off of logits is ~1e-6 of it), else None."""
+    gap = (probed.float() - reference.float()).abs().max().item()
+    return gap if gap > 1e-4 * max(reference.float().abs().max().item(), 1.0) else None
+
+
 def refuse_if_apart(reference: torch.Tensor, probed: torch.Tensor, accelerator, model, message: str) -> None:
     """One ConfigError line on every rank when `probed` is not `reference` to 1e-4 of its scale.
     `message` may use {model} (the model's class) and {gap} (the largest difference)."""
-    gap = (probed.float() - reference.float()).abs().max().item()
-    if gap <= 1e-4 * max(reference.float().abs().max().item(), 1.0):
+    gap = difference(reference, probed)
+    if gap is None:
         return
     with same_on_every_rank():
         raise ConfigError(message.format(model=type(unwrap(accelerator, model)).__name__, gap=f"{gap:.2g}"))

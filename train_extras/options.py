@@ -163,10 +163,13 @@ class DocumentOptions:
     overlong: Literal["drop", "truncate"] = field(
         default="drop", metadata={"help": "A conversation longer than --seq_len + 1 tokens: left out, or cut to it "
                                           "(either is counted in the setup block)."})
-    document_mask: bool = field(
-        default=True, metadata={"help": "Packing: no token attends to another document of its block, and positions "
-                                        "restart at each document (position ids; transformers' block-diagonal mask "
-                                        "for SDPA and eager). false = every token sees its whole block."})
+    document_mask: Literal["auto", "true", "false"] = field(
+        default="auto", metadata={"help": "Packing: keep each document of a block apart from the others (positions "
+                                          "restart; attention masked; recurrent and convolutional state restarted "
+                                          "where the model's layers take seq_idx or cumulative lengths), asked of "
+                                          "the model at start-up. auto = where the model can, else documents see "
+                                          "each other (said in the setup block); true = refuse a model that cannot; "
+                                          "false = every token sees its whole block."})
     data_mixture: str | None = field(
         default=None, metadata={"help": "A YAML file of sources (each with its data options, a weight and a name) "
                                         "drawn by weight; each source's held-out loss is logged apart."})
@@ -192,7 +195,7 @@ class DocumentOptions:
             raise ConfigError("--streaming streams text from one source: not with --data_mixture, --chat_column or "
                               "--chat_template")
         flash = "flash" in self.attn_implementation  # flash_attention_2/3, kernels-community/flash-attn...
-        if flash and self.document_mask and self.packing and self.micro_batch_size > 1:
+        if flash and self.document_mask != "false" and self.packing and self.micro_batch_size > 1:
             raise ConfigError(f"--attn_implementation {self.attn_implementation} keeps packed documents apart only "
                               "in a batch of one row (its varlen path): use --micro_batch_size 1, sdpa, or "
                               "--document_mask false")

@@ -344,6 +344,15 @@ MUTANTS: list[Mutant] = [
         tests=(DOCS + "test_packed_text_blocks_carry_position_ids_only_with_the_document_mask",),
     ),
     Mutant(
+        id="doc-mask-fallback-keeps-positions",
+        file="train_extras/document_mask.py",
+        old='return {"position_ids": None}',
+        new="return {}",
+        what="a family whose documents cannot be kept apart trains with restarted positions (half a mask), not as "
+             "--document_mask false",
+        tests=("tests/test_document_mask.py::test_auto_keeps_each_familys_documents_apart_where_it_can_and_says_why_not",),
+    ),
+    Mutant(
         id="assistant-labels-off-by-one",
         file="train_extras/data/packing.py",
         old="labels[torch.from_numpy(self.targets[index][1:] == 0)] = -100",

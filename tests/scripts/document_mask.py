@@ -52,7 +52,7 @@ def main():
     model.eval()
     index, start = None, None
     result = {}
-    for mask in (True, False):
+    for mask in ("true", "false"):
         cfg.document_mask = mask
         dataset = train.prepare_data(cfg, accelerator, tokenizer, facts, None, None).train_set
         if index is None:
@@ -62,7 +62,7 @@ def main():
         changed = dict(batch, input_ids=batch["input_ids"].clone())
         changed["input_ids"][0, : start - 1] = (changed["input_ids"][0, : start - 1] + 7) % len(tokenizer)
         before, after = logits(model, batch), logits(model, changed)
-        result["masked" if mask else "unmasked"] = {
+        result["masked" if mask == "true" else "unmasked"] = {
             "has_position_ids": "position_ids" in item, "block": index, "b_starts_at": start,
             "b_max_change": (after[0, start:] - before[0, start:]).abs().max().item(),
             "a_max_change": (after[0, : start - 1] - before[0, : start - 1]).abs().max().item()}

@@ -116,7 +116,7 @@ class StreamedBlocks(IterableDataset):
             while len(pending) >= block_len:
                 block = torch.from_numpy(np.asarray(pending[:block_len], dtype=np.int64))
                 item = {"input_ids": block[:-1], "labels": block[1:], "index": self.rank + self.world_size * made}
-                if self.cfg.document_mask:  # as packing.DocumentBlocks: positions restart at each document
+                if self.cfg.document_mask != "false":  # as packing.DocumentBlocks: positions restart at each document
                     positions = packing.restart_positions(np.asarray(starts, dtype=np.int64), 0, block_len - 1)
                     item["position_ids"] = torch.from_numpy(positions)
                 del pending[:block_len]

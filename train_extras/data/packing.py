@@ -2,14 +2,16 @@
 tokens with document masks, or one example per row; conversations' labels only on the assistant's
 tokens (render.py's targets).
 
-Document masks (--document_mask, on by default when packing). A packed block holds the end of one
+Document masks (--document_mask, auto by default when packing). A packed block holds the end of one
 document and the start of the next; without a mask every token attends to every earlier token of
 its block, the previous documents' too. Each block carries position ids that restart at each
 document (and at the block's start), and the model gets no attention mask and no cache: from those
 transformers builds a block-diagonal causal mask for SDPA and eager attention
 (masking_utils.find_packed_sequence_indices), so no token sees another document and each document
-starts at position 0, as in inference. Labels are not cut at a boundary: the last token of a
-document (its EOS) still predicts the first of the next, as without a mask.
+starts at position 0, as in inference. What else a model's layers need (sequence indices for Mamba
+and convolutions, cumulative lengths, masks made from the positions), and whether they can at all,
+is asked of the model at start-up (train_extras/document_mask.py). Labels are not cut at a boundary:
+the last token of a document (its EOS) still predicts the first of the next, as without a mask.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import torch
 
 from common import data
 from common.config import ConfigError
-from train_extras import model_probe
 
 
 def restart_positions(starts: np.ndarray, begin: int, length: int) -> np.ndarray:
@@ -90,7 +91,7 @@ def as_dataset(tokenized, tokenizer, cfg):
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return DocumentRows(tokenized, cfg.seq_len, pad_id)
     tokens, starts, targets = streams(tokenized, tokenizer)
-    return DocumentBlocks(tokens, cfg.seq_len, starts if cfg.document_mask else None, targets)
+    return DocumentBlocks(tokens, cfg.seq_len, starts if cfg.document_mask != "false" else None, targets)
 
 
 def check_not_empty(cfg, train, held_out: dict) -> None:
@@ -98,22 +99,3 @@ def check_not_empty(cfg, train, held_out: dict) -> None:
     for name, ds in named:
         if len(ds) == 0:
             raise ConfigError(f"the {name} split has fewer than seq_len+1={cfg.seq_len + 1} tokens")
-
-
-def check_kept_apart(model, accelerator, vocab_size: int) -> None:
-    """--document_mask needs a model that builds its attention mask from position ids (Llama, Qwen,
-    Mistral, Gemma, GPT-2, GPT-NeoX, Phi... in transformers 5); some take position ids and still let
-    documents see each other (OPT), some take none (BLOOM's ALiBi). Asked of the model itself, on
-    every rank (a sharded model needs them all): two 8-token documents in one row, the first one
-    changed; the second's logits must not move. One error line otherwise, before training."""
-    ids = model_probe.random_row(vocab_size, 16, accelerator.device)
-    changed = ids.clone()
-    changed[0, :7] = (changed[0, :7] + 1) % vocab_size
-    positions = torch.cat([torch.arange(8), torch.arange(8)])[None].to(accelerator.device)
-    with model_probe.inference(model):
-        before, after = (model(input_ids=x, position_ids=positions, use_cache=False).logits[0, 8:]
-                         for x in (ids, changed))
-    model_probe.refuse_if_apart(before, after, accelerator, model,
-                                "--document_mask: {model} does not keep packed documents apart by their position "
-                                "ids (a document's logits moved by {gap} when the one before it changed): use "
-                                "--document_mask false (documents then see each other) or --packing false")

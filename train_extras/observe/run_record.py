@@ -50,6 +50,7 @@ import torch
 from tqdm.auto import tqdm
 
 from common.files import write_json
+from train_extras import document_mask
 from train_extras.observe import metrics, tracking
 
 METRICS_FILE = "metrics.jsonl"
@@ -174,6 +175,13 @@ class RunRecord:
         self.summary["model"] = {"parameters": parameters, "active_parameters": active_parameters,
                                  "flops_per_token": self.flops_per_token, **self.flops_counted,
                                  "compiled_regions": compiled_regions}
+
+    def documents(self, mode: str, why: str | None) -> None:
+        """What keeps packed documents apart (train_extras/document_mask.py: asked of the model once it
+        is built): the line under the setup block, and the record's setup (trackers get it too)."""
+        self.summary["setup"]["documents"] = {"mode": mode, "why": why}
+        if self.main:
+            print(f"{'documents':<17}: {document_mask.describe(mode, why)}", flush=True)
 
     def start_trackers(self, resume_meta: dict | None) -> dict:
         """The tracker run's identity (kept in every checkpoint) and, unless --eval_only, the

@@ -62,7 +62,7 @@ from accelerate.utils import DistributedType, broadcast_object_list, gather_obje
 from common.config import (ConfigError, TrainingError, data_file_list, data_parallel_size, one_line,
                            same_on_every_rank, tensor_parallel_size)
 from common.files import write_json
-from train_extras import muon
+from train_extras import document_mask, muon
 from train_extras.observe.tracking import redact, redact_strings
 from train_extras.parallel import tensor_parallel
 from train_extras.resume import safe_load
@@ -261,7 +261,7 @@ REPLICATED = ("NO", "MULTI_CPU", "MULTI_GPU")
 # (--data_files and --eval_data_files: as the files they resolve to, see data_identity.)
 TRAINED_ON = ("seed", "seq_len", "preset", "model_name_or_path", "tokenizer_name_or_path", "dataset_name",
               "dataset_config", "dataset_split", "eval_split", "txt_documents", "text_column", "eval_fraction",
-              "add_bos", "packing", "chat_column", "overlong", "document_mask", "weight_decay", "adam_beta1",
+              "add_bos", "packing", "chat_column", "overlong", "weight_decay", "adam_beta1",
               "adam_beta2", "adam_eps", "optimizer", "muon_weight_decay", "muon_momentum", "muon_adjust_lr")
 # What a resumed run may change, applied from its first step and recorded as applied; every other
 # option changes nothing that was trained (cadences of logs, samples, trackers, timeouts, export).
@@ -270,7 +270,8 @@ APPLIED_ON_RESUME = ("lr", "muon_lr", "lr_schedule", "warmup_steps", "warmup_rat
                      "log_every")
 
 # What a checkpoint saved before an option existed was trained with: packed documents were not
-# masked apart before --document_mask (a resume with the mask on would train another model).
+# masked apart before --document_mask (a resume with the mask on would train another model:
+# saved_documents, check_documents).
 # Any other option it does not record takes its default (saved_options).
 BEFORE_THE_OPTION = {"document_mask": False, "optimizer": "adamw"}
 
@@ -283,6 +284,29 @@ def saved_options(meta: dict, cfg) -> dict:
     return {**dataclasses.asdict(type(cfg)()), **BEFORE_THE_OPTION, **meta.get("config", {})}
 
 
+def saved_documents(meta: dict | None, cfg) -> str | None:
+    """What kept packed documents apart in the run a checkpoint saved (train_extras/document_mask.py's
+    mode: checkpoint.json's "documents"; before --document_mask auto, its true/false said it: position
+    ids, or none); None for no checkpoint."""
+    if meta is None:
+        return None
+    if "documents" in meta:
+        return meta["documents"]
+    masked = saved_options(meta, cfg)["document_mask"] in (True, "true")
+    return document_mask.POSITIONS if masked else document_mask.NONE
+
+
+def check_documents(meta_file, saved: str, cfg) -> None:
+    """A resumed run trains its documents as the checkpoint did: --document_mask auto takes the
+    checkpoint's way (train.py's probe checks it still holds); true and false must name it."""
+    if cfg.document_mask == "false" and saved != document_mask.NONE:
+        raise ConfigError(f"{meta_file} was trained with packed documents kept apart ({saved}): resume with "
+                          "--document_mask auto (or true), or start afresh in another --output_dir")
+    if cfg.document_mask == "true" and saved == document_mask.NONE:
+        raise ConfigError(f"{meta_file} was trained with packed documents that see each other: resume with "
+                          "--document_mask auto (or false), or start afresh in another --output_dir")
+
+
 def recorded_options(cfg) -> dict:
     """The options as checkpoint.json records them: secrets redacted (observe/tracking.py). A resume
     compares this run's options in that form too (`_same_option`), so a redacted option is the same
@@ -292,7 +316,7 @@ def recorded_options(cfg) -> dict:
 
 # What makes a stream the same stream: a resumed streamed run skips that many blocks of it.
 STREAM_IDENTITY = ("data_files", "dataset_name", "dataset_config", "dataset_split", "text_column", "txt_documents",
-                   "add_bos", "seq_len", "seed", "tokenizer_name_or_path", "model_name_or_path", "document_mask")
+                   "add_bos", "seq_len", "seed", "tokenizer_name_or_path", "model_name_or_path")
 
 
 @same_on_every_rank()  # every rank reads the same files and options
@@ -342,6 +366,8 @@ def check_compatible(path: str | Path, cfg, accelerator, meta: dict) -> dict:
     if changed:
         raise ConfigError(f"{meta_file} streamed other data: --{', --'.join(changed)} differ; a streamed run resumes "
                           "by reading the same stream again up to its place")
+    if cfg.packing and saved_cfg["packing"]:
+        check_documents(meta_file, saved_documents(meta, cfg), cfg)
     if cfg.max_steps < meta["step"]:
         raise ConfigError(f"{meta_file} is at step {meta['step']}, past --max_steps {cfg.max_steps}: nothing to "
                           f"train; to export it, resume with --max_steps {meta['step']}")
