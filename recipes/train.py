@@ -69,7 +69,8 @@ from train_extras.observe import flops, metrics, run_record, tracking
 from train_extras.observe.run_record import RunRecord
 from train_extras.observe.sampling import sample_text
 from train_extras.options import TrainConfig
-from train_extras.parallel import cpu_threads, deepspeed_settings, fsdp_settings, tensor_parallel
+from train_extras.parallel import (cpu_threads, ddp_settings, deepspeed_settings, fsdp_settings,
+                                   tensor_parallel)
 from train_extras.resume import checkpoint, output_dir, preemption
 
 
@@ -193,6 +194,7 @@ class ModelFacts:
     inactive_parameters: int  # MoE: the routed experts' weights a token does not go through
     route: dict | None  # a mixture of experts: experts, top-k, the router loss's weight
     attention: str  # the attention kernel that runs (auto: the one transformers picks)
+    frozen: set  # parameters the family builds frozen (a router's correction bias): kept so
 
 
 def model_facts(cfg, accelerator, vocab_size: int) -> ModelFacts:
@@ -208,7 +210,7 @@ def model_facts(cfg, accelerator, vocab_size: int) -> ModelFacts:
     inactive = counts["total"] - counts["active"]
     flops_per_token = flops.flops_per_token(model_cfg, cfg.seq_len, meta)
     return ModelFacts(tensor_parallel.layout(accelerator), flops_per_token, inactive,
-                      moe.route_for(cfg, model_cfg, meta), attention)
+                      moe.route_for(cfg, model_cfg, meta), attention, moe.declared_frozen(meta))
 
 
 @dataclasses.dataclass
@@ -278,8 +280,9 @@ def start_record(cfg, accelerator, train_data: TrainData, facts: ModelFacts) -> 
                     + (", documents masked apart" if cfg.packing and cfg.document_mask else ""),
             **assemble.describe(train_data.facts),  # conversations dropped, a mixture's shares
             **tensor_parallel.describe_mesh(accelerator),  # HSDP: dp_replicate x dp_shard
-            **({"experts": f"{route['experts']}, top-{route['top_k']} per token; "
-                           f"router loss weight {route['coef']:g}"} if route else {}),
+            **({"experts": moe.describe(route)} if route else {}),
+            **({"frozen": f"{ddp_settings.fold(facts.frozen)} (the family builds them frozen)"}
+               if facts.frozen else {}),
         }), flush=True)
     held_out_tokens = [metrics.token_stream(eval_set) for eval_set in eval_sets.values()]
     data_facts = {"train_blocks": None if cfg.streaming else len(train_set),
@@ -324,11 +327,21 @@ def build(cfg, accelerator, tokenizer, train_data: TrainData, facts: ModelFacts,
         # load), and FSDP2's hooks, added later by prepare, still run.
         compile_regions_fsdp2(model)
     loss_head = chunked_loss.install(model, cfg.loss_chunk_size)  # None: the plain loss
+    # from_pretrained makes every loaded parameter trainable; what the family builds frozen (a
+    # router's correction bias) stays frozen, out of the optimizer (train_extras/moe.py)
+    moe.keep_frozen(model, facts.frozen)
     parameters = metrics.count_parameters(model)
     tp_layout = facts.tp_layout
     if tp_layout:  # TP (then FSDP2 for 2D) on accelerate's mesh, by torch's own APIs
         model = tensor_parallel.parallelize(model, accelerator)
     deepspeed_settings.gather_moe_blocks_whole(accelerator, model)  # ZeRO-3: experts gathered whole
+    # DDP: trainable parameters that get no gradient, found by one probe backward (DDP is told)
+    def objective(m, ids, labels):
+        batch = {"input_ids": ids, "labels": labels}
+        return micro_batch_objective(m, batch, facts.route, loss_head, 1.0)[0]
+    unused = ddp_settings.find_unused(model, accelerator, objective, len(tokenizer))
+    if unused and accelerator.is_main_process:
+        print(f"ddp              : {ddp_settings.describe(unused)}", flush=True)
     optimizer = muon.build_optimizer(model, cfg, accelerator.device)  # AdamW, or Muon + AdamW
     scheduler = modeling.build_scheduler(optimizer, cfg)
     train_loader, names = train_data.train_loader, list(train_data.eval_loaders)
@@ -336,17 +349,23 @@ def build(cfg, accelerator, tokenizer, train_data: TrainData, facts: ModelFacts,
     if tp_layout:  # accelerate takes TP models from transformers' tp_plan only: not the model
         train_loader, *eval_loaders, scheduler = accelerator.prepare(
             train_loader, *eval_loaders, scheduler)
-    elif cfg.streaming:  # a streamed loader stays ours: each rank already reads its own part
-        model, optimizer, *eval_loaders, scheduler = accelerator.prepare(
-            model, optimizer, *eval_loaders, scheduler)
     else:
-        model, optimizer, train_loader, *eval_loaders, scheduler = accelerator.prepare(
-            model, optimizer, train_loader, *eval_loaders, scheduler)
+        # FSDP2: accelerate's loading fails on persistent buffers (DeepSeek-V3's correction bias)
+        buffers = fsdp_settings.buffers_aside(model, accelerator)
+        if cfg.streaming:  # a streamed loader stays ours: each rank already reads its own part
+            model, optimizer, *eval_loaders, scheduler = accelerator.prepare(
+                model, optimizer, *eval_loaders, scheduler)
+        else:
+            model, optimizer, train_loader, *eval_loaders, scheduler = accelerator.prepare(
+                model, optimizer, train_loader, *eval_loaders, scheduler)
+        fsdp_settings.buffers_back(model, buffers, accelerator)
     if cfg.packing and cfg.document_mask:  # asked of the model: some ignore position ids
         packing.check_kept_apart(model, accelerator, len(tokenizer))
     chunked_loss.check_plain_head(model, loss_head, accelerator, len(tokenizer))
     active = parameters - facts.inactive_parameters  # MoE: a token goes through top-k experts
-    record.model(parameters, active, metrics.compiled_regions(model))
+    record.model(parameters, active, metrics.compiled_regions(model), frozen=sorted(facts.frozen),
+                 ddp_unused_parameters=unused,
+                 **({"router": facts.route} if facts.route else {}))
     setup = record.summary["setup"]
     saved = {"batches_per_epoch": None if cfg.streaming else len(train_loader),
              "data": tracking.redact_strings(train_data.identity),  # no secret at rest: redacted
@@ -466,16 +485,12 @@ def forward_backward(run: Run, micro_batches: list, watch, record: RunRecord):
         if run.tp_layout and run.tp_layout["dp_shard"] > 1:  # our fully_shard: not accelerate's
             model.set_requires_gradient_sync(i == accumulation - 1)
         with accelerator.accumulate(model):  # no gradient all-reduce before the last micro-batch
-            positions = batch.get("position_ids")  # --document_mask: restart at each document
-            if run.route is None:
-                micro_sum = chunked_loss.causal_lm_loss(model, run.loss_head, batch["input_ids"],
-                                                        batch["labels"], "sum", positions)
-                accelerator.backward(micro_sum * scale)
-            else:  # the aux loss is a mean per micro-batch: backward's own scaling averages it
-                micro_sum, aux, slots = moe.losses(model, batch["input_ids"], batch["labels"],
-                                                   run.route, positions, run.loss_head)
-                accelerator.backward(micro_sum * scale + run.route["coef"] * aux)
+            objective, micro_sum, aux, slots = micro_batch_objective(model, batch, run.route,
+                                                                     run.loss_head, scale)
+            accelerator.backward(objective)
+            if aux is not None:
                 aux_sum += aux.detach()
+            if slots is not None:
                 record.expert_slots(slots)
         loss_sum += micro_sum.detach()
     # One all-reduce carries the loss, the router loss and each rank's preemption vote: every
@@ -483,12 +498,27 @@ def forward_backward(run: Run, micro_batches: list, watch, record: RunRecord):
     votes = watch.vote(loss_sum.device)
     loss_and_votes = accelerator.reduce(torch.stack([loss_sum, votes, aux_sum]), "sum")
     step_loss = loss_and_votes[0] / step_tokens
-    aux_loss = loss_and_votes[2] / (accumulation * accelerator.num_processes) if run.route else None
+    with_aux = run.route and run.route["loss"]
+    aux_loss = loss_and_votes[2] / (accumulation * accelerator.num_processes) if with_aux else None
     # The step's one host sync: whether the loss is finite (a NaN must not reach the weights)
     # and whether any rank was signalled.
     finite, stop_votes = torch.stack([torch.isfinite(step_loss).float(),
                                       loss_and_votes[1]]).tolist()
     return step_loss, aux_loss, bool(finite), stop_votes > 0
+
+
+def micro_batch_objective(model, batch: dict, route: dict | None, loss_head, scale):
+    """(what one micro-batch backpropagates, its token-summed loss, its router loss, its routing
+    slots): loss x scale, plus coef x the router's load-balancing loss where the family has one (a
+    mean per micro-batch: backward's own scaling averages it). Dense: no router loss, no slots."""
+    ids, labels = batch["input_ids"], batch["labels"]
+    positions = batch.get("position_ids")  # --document_mask: restart at each document
+    if route is None:
+        micro_sum = chunked_loss.causal_lm_loss(model, loss_head, ids, labels, "sum", positions)
+        return micro_sum * scale, micro_sum, None, None
+    micro_sum, aux, slots = moe.losses(model, ids, labels, route, positions, loss_head)
+    objective = micro_sum * scale if aux is None else micro_sum * scale + route["coef"] * aux
+    return objective, micro_sum, aux, slots
 
 
 def update(run: Run, overflow: "OverflowSkips"):

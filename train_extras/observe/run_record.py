@@ -166,10 +166,13 @@ class RunRecord:
         self.slots = None  # MoE: routing slots per (layer, expert) since the last interval
 
     # ---- before training ----
-    def model(self, parameters: int, active_parameters: int, compiled_regions: dict) -> None:
-        """active_parameters: per token (a mixture of experts: its top-k experts'; dense: all)."""
+    def model(self, parameters: int, active_parameters: int, compiled_regions: dict, **facts) -> None:
+        """active_parameters: per token (a mixture of experts: its top-k experts'; dense: all). facts:
+        frozen (parameters the family builds frozen), ddp_unused_parameters (DDP: those the start-up
+        probe found without a gradient; None elsewhere), router (MoE: train_extras/moe.py's route)."""
         self.summary["model"] = {"parameters": parameters, "active_parameters": active_parameters,
-                                 "flops_per_token": self.flops_per_token, "compiled_regions": compiled_regions}
+                                 "flops_per_token": self.flops_per_token, "compiled_regions": compiled_regions,
+                                 **facts}
 
     def start_trackers(self, resume_meta: dict | None) -> dict:
         """The tracker run's identity (kept in every checkpoint) and, unless --eval_only, the
