@@ -336,9 +336,9 @@ def build(cfg, accelerator, tokenizer, train_data: TrainData, facts: ModelFacts,
         model = tensor_parallel.parallelize(model, accelerator)
     deepspeed_settings.gather_moe_blocks_whole(accelerator, model)  # ZeRO-3: experts gathered whole
     # DDP: trainable parameters that get no gradient, found by one probe backward (DDP is told)
-    def objective(m, ids, labels):
-        batch = {"input_ids": ids, "labels": labels}
-        return micro_batch_objective(m, batch, facts.route, loss_head, 1.0)[0]
+    def objective(m, ids, labels):  # reaches the parameters training reaches
+        loss, aux, _ = micro_batch_losses(m, {"input_ids": ids, "labels": labels}, facts.route, loss_head)
+        return loss if aux is None else loss + aux
     unused = ddp_settings.find_unused(model, accelerator, objective, len(tokenizer))
     if unused and accelerator.is_main_process:
         print(f"ddp              : {ddp_settings.describe(unused)}", flush=True)
@@ -485,10 +485,11 @@ def forward_backward(run: Run, micro_batches: list, watch, record: RunRecord):
         if run.tp_layout and run.tp_layout["dp_shard"] > 1:  # our fully_shard: not accelerate's
             model.set_requires_gradient_sync(i == accumulation - 1)
         with accelerator.accumulate(model):  # no gradient all-reduce before the last micro-batch
-            objective, micro_sum, aux, slots = micro_batch_objective(model, batch, run.route,
-                                                                     run.loss_head, scale)
-            accelerator.backward(objective)
-            if aux is not None:
+            micro_sum, aux, slots = micro_batch_losses(model, batch, run.route, run.loss_head)
+            if aux is None:  # dense, or a router without a load-balancing loss (DeepSeek-V3's)
+                accelerator.backward(micro_sum * scale)
+            else:  # the aux loss is a mean per micro-batch: backward's own scaling averages it
+                accelerator.backward(micro_sum * scale + run.route["coef"] * aux)
                 aux_sum += aux.detach()
             if slots is not None:
                 record.expert_slots(slots)
@@ -507,18 +508,14 @@ def forward_backward(run: Run, micro_batches: list, watch, record: RunRecord):
     return step_loss, aux_loss, bool(finite), stop_votes > 0
 
 
-def micro_batch_objective(model, batch: dict, route: dict | None, loss_head, scale):
-    """(what one micro-batch backpropagates, its token-summed loss, its router loss, its routing
-    slots): loss x scale, plus coef x the router's load-balancing loss where the family has one (a
-    mean per micro-batch: backward's own scaling averages it). Dense: no router loss, no slots."""
+def micro_batch_losses(model, batch: dict, route: dict | None, loss_head):
+    """(token-summed loss, the router's load-balancing loss, routing slots) of one micro-batch: no
+    router loss for a dense model or a router without one, no slots for a dense model."""
     ids, labels = batch["input_ids"], batch["labels"]
     positions = batch.get("position_ids")  # --document_mask: restart at each document
     if route is None:
-        micro_sum = chunked_loss.causal_lm_loss(model, loss_head, ids, labels, "sum", positions)
-        return micro_sum * scale, micro_sum, None, None
-    micro_sum, aux, slots = moe.losses(model, ids, labels, route, positions, loss_head)
-    objective = micro_sum * scale if aux is None else micro_sum * scale + route["coef"] * aux
-    return objective, micro_sum, aux, slots
+        return chunked_loss.causal_lm_loss(model, loss_head, ids, labels, "sum", positions), None, None
+    return moe.losses(model, ids, labels, route, positions, loss_head)
 
 
 def update(run: Run, overflow: "OverflowSkips"):

@@ -3,7 +3,7 @@ experts' load in the run's record.
 
 A sparse MoE layer sends each token to the top-k of its E experts by a learned router. Trained on
 the language-model loss alone the router is trained blind: it can collapse onto a few experts,
-which then see most tokens while the others learn nothing. Every MoE family in transformers ships
+which then see most tokens while the others learn nothing. Most MoE families in transformers ship
 a load-balancing loss for this (Switch Transformer's: E * sum_e f_e * P_e over layers, f_e the
 share of routing slots expert e gets, P_e its mean router probability; 1 when the load is
 uniform), returned as `aux_loss` when the forward is asked for `output_router_logits`. The
@@ -70,9 +70,10 @@ def route_for(cfg, model_config, model: nn.Module | None = None) -> dict | None:
         raise ConfigError(f"--router_aux_loss_coef: the {family} model has no router (not a mixture-of-experts model)")
     if route is not None and cfg.router_aux_loss_coef is not None:
         if not route["loss"]:
-            raise ConfigError(f"--router_aux_loss_coef: the {family} model's router has no load-balancing loss "
-                              f"(it balances by a correction bias, {', '.join(route['fixed']) or 'none'}, which "
-                              "transformers does not update); leave the option out")
+            how = (f" (it balances by a correction bias, {', '.join(route['fixed'])}, which transformers does "
+                   "not update)") if route["fixed"] else ""
+            raise ConfigError(f"--router_aux_loss_coef: the {family} model's router has no load-balancing "
+                              f"loss{how}; leave the option out")
         route["coef"] = cfg.router_aux_loss_coef
     return route
 
@@ -92,7 +93,8 @@ def describe(route: dict) -> str:
 def router_fixed(model: nn.Module) -> list[str]:
     """Names (leaf) of what the sparse blocks hold that the family never trains: buffers (DeepSeek-V3's
     e_score_correction_bias) and parameters its constructor froze (Ernie 4.5-MoE's)."""
-    blocks = [m for m in model.modules() if type(m) in sparse_block_classes(model)]
+    classes = sparse_block_classes(model)
+    blocks = [m for m in model.modules() if type(m) in classes]
     names = {name.rsplit(".", 1)[-1] for block in blocks for name, _ in block.named_buffers()}
     names |= {name.rsplit(".", 1)[-1] for block in blocks for name, p in block.named_parameters()
               if not p.requires_grad}
