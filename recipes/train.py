@@ -319,6 +319,17 @@ def build(cfg, accelerator, tokenizer, train_data: TrainData, facts: ModelFacts,
     """Model (random-init preset or pretrained), optimizer and schedule, through `prepare`."""
     dtype = deepspeed_settings.weights_dtype(accelerator)
     model = modeling.build_model(cfg, len(tokenizer), dtype=dtype)
+    # from_pretrained makes every loaded parameter trainable; what the family builds frozen (a
+    # router's correction bias) stays frozen, out of the optimizer (train_extras/moe.py)
+    moe.keep_frozen(model, facts.frozen)
+    # DDP: trainable parameters that get no gradient, found by one probe backward (DDP is told);
+    # before compiling, which the probe's eval mode would make compile twice
+    def objective(m, ids, labels):  # reaches the parameters training reaches
+        loss, aux, _ = micro_batch_losses(m, {"input_ids": ids, "labels": labels}, facts.route, None)
+        return loss if aux is None else loss + aux
+    unused = ddp_settings.find_unused(model, accelerator, objective, len(tokenizer))
+    if unused and accelerator.is_main_process:
+        print(f"ddp              : {ddp_settings.describe(unused)}", flush=True)
     if cfg.compile:
         # accelerate's regional compilation, in place (its FSDP2 and DeepSpeed route, here for
         # every strategy): each repeated block compiled once and reused, the rest apart. In
@@ -327,21 +338,11 @@ def build(cfg, accelerator, tokenizer, train_data: TrainData, facts: ModelFacts,
         # load), and FSDP2's hooks, added later by prepare, still run.
         compile_regions_fsdp2(model)
     loss_head = chunked_loss.install(model, cfg.loss_chunk_size)  # None: the plain loss
-    # from_pretrained makes every loaded parameter trainable; what the family builds frozen (a
-    # router's correction bias) stays frozen, out of the optimizer (train_extras/moe.py)
-    moe.keep_frozen(model, facts.frozen)
     parameters = metrics.count_parameters(model)
     tp_layout = facts.tp_layout
     if tp_layout:  # TP (then FSDP2 for 2D) on accelerate's mesh, by torch's own APIs
         model = tensor_parallel.parallelize(model, accelerator)
     deepspeed_settings.gather_moe_blocks_whole(accelerator, model)  # ZeRO-3: experts gathered whole
-    # DDP: trainable parameters that get no gradient, found by one probe backward (DDP is told)
-    def objective(m, ids, labels):  # reaches the parameters training reaches
-        loss, aux, _ = micro_batch_losses(m, {"input_ids": ids, "labels": labels}, facts.route, loss_head)
-        return loss if aux is None else loss + aux
-    unused = ddp_settings.find_unused(model, accelerator, objective, len(tokenizer))
-    if unused and accelerator.is_main_process:
-        print(f"ddp              : {ddp_settings.describe(unused)}", flush=True)
     optimizer = muon.build_optimizer(model, cfg, accelerator.device)  # AdamW, or Muon + AdamW
     scheduler = modeling.build_scheduler(optimizer, cfg)
     train_loader, names = train_data.train_loader, list(train_data.eval_loaders)
