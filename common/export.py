@@ -47,7 +47,9 @@ def export_pretrained(accelerator, model, tokenizer, out_dir: str | Path, dtype:
     # Only rank 0 writes. Elsewhere ZeRO-3 gives None, and save_pretrained would read the rank's own
     # empty partitions instead (an MoE's fused experts, split back per expert: a crash).
     state_dict = _without_tied_copies(unwrapped, state_dict) if accelerator.is_main_process else {}
-    state_dict = state_dict and {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+    fp32 = tuple(getattr(unwrapped, "_keep_in_fp32_modules_strict", None) or ())  # as from_pretrained keeps them
+    state_dict = state_dict and {k: v.to(dtype) if v.is_floating_point() and not any(m in k for m in fp32) else v
+                                 for k, v in state_dict.items()}  # (a router's weight and correction bias)
     # The tokenizer's special ids, not the architecture's defaults (a preset Llama says eos=2, which
     # is the byte tokenizer's <unk>): `generate` on the exported folder then stops where training did.
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):

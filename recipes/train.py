@@ -70,7 +70,8 @@ from train_extras.observe import flops, metrics, run_record, tracking
 from train_extras.observe.run_record import RunRecord
 from train_extras.observe.sampling import sample_text
 from train_extras.options import TrainConfig
-from train_extras.parallel import cpu_threads, deepspeed_settings, fsdp_settings, tensor_parallel
+from train_extras.parallel import (cpu_threads, ddp_settings, deepspeed_settings, fsdp_settings,
+                                   tensor_parallel)
 from train_extras.resume import checkpoint, output_dir, preemption
 
 
@@ -194,6 +195,7 @@ class ModelFacts:
     inactive_parameters: int  # MoE: the routed experts' weights a token does not go through
     route: dict | None  # a mixture of experts: experts, top-k, the router loss's weight
     attention: str  # the attention kernel that runs (auto: the one transformers picks)
+    frozen: set  # parameters the family builds frozen (a router's correction bias): kept so
 
 
 def model_facts(cfg, accelerator, vocab_size: int) -> ModelFacts:
@@ -209,7 +211,7 @@ def model_facts(cfg, accelerator, vocab_size: int) -> ModelFacts:
     inactive = counts["total"] - counts["active"]
     counted = flops.flops(model_cfg, cfg.seq_len, meta)
     return ModelFacts(tensor_parallel.layout(accelerator), counted, inactive,
-                      moe.route_for(cfg, model_cfg, meta), attention)
+                      moe.route_for(cfg, model_cfg, meta), attention, moe.declared_frozen(meta))
 
 
 @dataclasses.dataclass
@@ -278,8 +280,9 @@ def start_record(cfg, accelerator, train_data: TrainData, facts: ModelFacts) -> 
                                                  if cfg.packing else "documents, padded"),
             **assemble.describe(train_data.facts),  # conversations dropped, a mixture's shares
             **tensor_parallel.describe_mesh(accelerator),  # HSDP: dp_replicate x dp_shard
-            **({"experts": f"{route['experts']}, top-{route['top_k']} per token; "
-                           f"router loss weight {route['coef']:g}"} if route else {}),
+            **({"experts": moe.describe(route)} if route else {}),
+            **({"frozen": f"{ddp_settings.fold(facts.frozen)} (the family builds them frozen)"}
+               if facts.frozen else {}),
         }), flush=True)
     held_out_tokens = [metrics.token_stream(eval_set) for eval_set in eval_sets.values()]
     data_facts = {"train_blocks": None if cfg.streaming else len(train_set),
@@ -318,6 +321,17 @@ def build(cfg, accelerator, tokenizer, train_data: TrainData, facts: ModelFacts,
     keeps packed documents apart in it (asked of it), given to its forward from here on."""
     dtype = deepspeed_settings.weights_dtype(accelerator)
     model = modeling.build_model(cfg, len(tokenizer), dtype=dtype)
+    # from_pretrained makes every loaded parameter trainable; what the family builds frozen (a
+    # router's correction bias) stays frozen, out of the optimizer (train_extras/moe.py)
+    moe.keep_frozen(model, facts.frozen)
+    # DDP: trainable parameters that get no gradient, found by one probe backward (DDP is told);
+    # before compiling, which the probe's eval mode would make compile twice
+    def objective(m, ids, labels):  # reaches the parameters training reaches
+        loss, aux, _ = micro_batch_losses(m, {"input_ids": ids, "labels": labels}, facts.route, None)
+        return loss if aux is None else loss + aux
+    unused = ddp_settings.find_unused(model, accelerator, objective, len(tokenizer))
+    if unused and accelerator.is_main_process:
+        print(f"ddp              : {ddp_settings.describe(unused)}", flush=True)
     if cfg.compile:
         # accelerate's regional compilation, in place (its FSDP2 and DeepSpeed route, here for
         # every strategy): each repeated block compiled once and reused, the rest apart. In
@@ -338,19 +352,25 @@ def build(cfg, accelerator, tokenizer, train_data: TrainData, facts: ModelFacts,
     if tp_layout:  # accelerate takes TP models from transformers' tp_plan only: not the model
         train_loader, *eval_loaders, scheduler = accelerator.prepare(
             train_loader, *eval_loaders, scheduler)
-    elif cfg.streaming:  # a streamed loader stays ours: each rank already reads its own part
-        model, optimizer, *eval_loaders, scheduler = accelerator.prepare(
-            model, optimizer, *eval_loaders, scheduler)
     else:
-        model, optimizer, train_loader, *eval_loaders, scheduler = accelerator.prepare(
-            model, optimizer, train_loader, *eval_loaders, scheduler)
+        # FSDP2: accelerate's loading fails on persistent buffers (DeepSeek-V3's correction bias)
+        buffers = fsdp_settings.buffers_aside(model, accelerator)
+        if cfg.streaming:  # a streamed loader stays ours: each rank already reads its own part
+            model, optimizer, *eval_loaders, scheduler = accelerator.prepare(
+                model, optimizer, *eval_loaders, scheduler)
+        else:
+            model, optimizer, train_loader, *eval_loaders, scheduler = accelerator.prepare(
+                model, optimizer, train_loader, *eval_loaders, scheduler)
+        fsdp_settings.buffers_back(model, buffers, accelerator)
     documents = document_mask.resolve(model, accelerator, cfg, len(tokenizer),  # a resume: as it trained
                                       checkpoint.saved_documents(resume_meta, cfg))
     document_mask.install(model, accelerator, documents[0])
     record.documents(*documents)
     chunked_loss.check_plain_head(model, loss_head, accelerator, len(tokenizer))
     active = parameters - facts.inactive_parameters  # MoE: a token goes through top-k experts
-    record.model(parameters, active, metrics.compiled_regions(model))
+    record.model(parameters, active, metrics.compiled_regions(model), frozen=sorted(facts.frozen),
+                 ddp_unused_parameters=unused,
+                 **({"router": facts.route} if facts.route else {}))
     setup = record.summary["setup"]
     saved = {"batches_per_epoch": None if cfg.streaming else len(train_loader),
              "documents": documents[0],  # what kept packed documents apart: a resume keeps it
@@ -471,16 +491,13 @@ def forward_backward(run: Run, micro_batches: list, watch, record: RunRecord):
         if run.tp_layout and run.tp_layout["dp_shard"] > 1:  # our fully_shard: not accelerate's
             model.set_requires_gradient_sync(i == accumulation - 1)
         with accelerator.accumulate(model):  # no gradient all-reduce before the last micro-batch
-            positions = batch.get("position_ids")  # restart at each document (document_mask.py)
-            if run.route is None:
-                micro_sum = chunked_loss.causal_lm_loss(model, run.loss_head, batch["input_ids"],
-                                                        batch["labels"], "sum", positions)
+            micro_sum, aux, slots = micro_batch_losses(model, batch, run.route, run.loss_head)
+            if aux is None:  # dense, or a router without a load-balancing loss (DeepSeek-V3's)
                 accelerator.backward(micro_sum * scale)
             else:  # the aux loss is a mean per micro-batch: backward's own scaling averages it
-                micro_sum, aux, slots = moe.losses(model, batch["input_ids"], batch["labels"],
-                                                   run.route, positions, run.loss_head)
                 accelerator.backward(micro_sum * scale + run.route["coef"] * aux)
                 aux_sum += aux.detach()
+            if slots is not None:
                 record.expert_slots(slots)
         loss_sum += micro_sum.detach()
     # One all-reduce carries the loss, the router loss and each rank's preemption vote: every
@@ -488,12 +505,23 @@ def forward_backward(run: Run, micro_batches: list, watch, record: RunRecord):
     votes = watch.vote(loss_sum.device)
     loss_and_votes = accelerator.reduce(torch.stack([loss_sum, votes, aux_sum]), "sum")
     step_loss = loss_and_votes[0] / step_tokens
-    aux_loss = loss_and_votes[2] / (accumulation * accelerator.num_processes) if run.route else None
+    with_aux = run.route and run.route["loss"]
+    aux_loss = loss_and_votes[2] / (accumulation * accelerator.num_processes) if with_aux else None
     # The step's one host sync: whether the loss is finite (a NaN must not reach the weights)
     # and whether any rank was signalled.
     finite, stop_votes = torch.stack([torch.isfinite(step_loss).float(),
                                       loss_and_votes[1]]).tolist()
     return step_loss, aux_loss, bool(finite), stop_votes > 0
+
+
+def micro_batch_losses(model, batch: dict, route: dict | None, loss_head):
+    """(token-summed loss, the router's load-balancing loss, routing slots) of one micro-batch: no
+    router loss for a dense model or a router without one, no slots for a dense model."""
+    ids, labels = batch["input_ids"], batch["labels"]
+    positions = batch.get("position_ids")  # --document_mask: restart at each document
+    if route is None:
+        return chunked_loss.causal_lm_loss(model, loss_head, ids, labels, "sum", positions), None, None
+    return moe.losses(model, ids, labels, route, positions, loss_head)
 
 
 def update(run: Run, overflow: "OverflowSkips"):

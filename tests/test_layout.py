@@ -22,7 +22,8 @@ CORE = ROOT / "common"
 # column that holds no text is one line. 1,156 (issue 42): every recipe's export goes in with its
 # marker and replaces only an export so marked (a user's `model/` package was deleted), and a killed
 # export's leftovers are removed without following a link: the check belongs where the folder is replaced.
-CORE_LINE_BUDGET = 1156
+# 1,158 (issue 43): a bf16/fp16 export keeps in fp32 what the family keeps there (DeepSeek-V3's router).
+CORE_LINE_BUDGET = 1158
 RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*.py") if p.name not in ("train.py", "generate.py"))
 
 

@@ -123,7 +123,8 @@ def test_a_router_weight_of_0_is_the_runs_not_the_configs(seam_run):
     """--router_aux_loss_coef 0 turns the router loss off: it does not fall back to the config's 0.001."""
     config = seam_run["model"].config
     assert config.router_aux_loss_coef == 0.001
-    assert moe.route_for(TrainConfig(router_aux_loss_coef=0.0), config) == {"experts": 4, "top_k": 2, "coef": 0.0}
+    assert moe.route_for(TrainConfig(router_aux_loss_coef=0.0), config) == {"experts": 4, "top_k": 2, "loss": True,
+                                                                            "coef": 0.0, "fixed": []}
     assert moe.route_for(TrainConfig(), config)["coef"] == 0.001
 
 

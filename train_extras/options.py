@@ -206,7 +206,8 @@ class MixtureOfExpertsOptions:
     router_aux_loss_coef: float | None = field(
         default=None,
         metadata={"help": "Mixture-of-experts models: weight of the router's load-balancing loss in the objective "
-                          "(default: the model config's router_aux_loss_coef; 0 = off). Refused for a dense model."})
+                          "(default: the model config's router_aux_loss_coef; 0 = off). Refused for a dense model "
+                          "and for a router without such a loss (DeepSeek-V3's, GLM-4-MoE's)."})
 
     def check(self):
         if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:

@@ -439,8 +439,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         id="seam-moe-accum-aux-logged",
         file="recipes/train.py",
-        old="aux_loss = loss_and_votes[2] / (accumulation * accelerator.num_processes) if run.route else None",
-        new="aux_loss = loss_and_votes[2] / accelerator.num_processes if run.route else None",
+        old="aux_loss = loss_and_votes[2] / (accumulation * accelerator.num_processes) if with_aux else None",
+        new="aux_loss = loss_and_votes[2] / accelerator.num_processes if with_aux else None",
         what="MoE x accumulation: the logged router loss is the sum over the step's micro-batches, not their mean",
         tests=("tests/test_seams_moe.py::test_the_router_loss_under_gradient_accumulation",),
     ),
@@ -535,8 +535,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         id="seam-moe-aux-logged-world-twice",
         file="recipes/train.py",
-        old="aux_loss = loss_and_votes[2] / (accumulation * accelerator.num_processes) if run.route else None",
-        new="aux_loss = loss_and_votes[2] / (accumulation * accelerator.num_processes ** 2) if run.route else None",
+        old="aux_loss = loss_and_votes[2] / (accumulation * accelerator.num_processes) if with_aux else None",
+        new="aux_loss = loss_and_votes[2] / (accumulation * accelerator.num_processes ** 2) if with_aux else None",
         what="MoE x strategies: the logged router loss is divided by the world size twice",
         tests=("tests/test_moe.py::test_a_steps_router_loss_and_expert_load_are_every_ranks[mixtral-ddp.yaml]",),
     ),

@@ -12,7 +12,8 @@ With ACCELERATE_RECIPES_PROBE_DIR set, each rank appends JSON lines to <dir>/ran
                              the optimizer really applies (unscaled, clipped), or that it skipped it
   {"final": {...}}           at end_training: peak memory, what the strategy built, parameter sharding, optimizer
                              groups, the model's class, tied embeddings, tensor-parallel or HSDP
-                             layout and replica drift, and fp32 logits of the trained model on PROBE_INPUT_IDS
+                             layout and replica drift, routers' correction biases, and fp32 logits of the
+                             trained model on PROBE_INPUT_IDS
 With ACCELERATE_RECIPES_FAULT=<phase>@<step>, the main process stops dead (os._exit, like a kill -9
 or a node loss) at that phase of that step's checkpoint save:
   after_shard      its part of save_state is written; the other ranks may still be writing
@@ -283,6 +284,9 @@ def _final_facts(accelerator, facts) -> dict:
     elif any("dp_replicate" in names for names in meshes):  # HSDP: sharded per replica
         out["hsdp_parameters"] = facts.parameter_layout(model)
         out["hsdp_replica_max_difference"] = facts.replica_max_difference(model, accelerator, "dp_replicate")
+    # a router's correction bias (DeepSeek-V3's buffer) as this rank routes with it
+    out["correction_biases"] = {name: b.float().cpu().tolist() for name, b in unwrapped.named_buffers()
+                                if name.endswith("correction_bias")}
     was_training = unwrapped.training
     unwrapped.eval()
     with torch.no_grad():  # the trained model's own logits, fp32, to compare with the export

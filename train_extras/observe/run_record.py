@@ -170,11 +170,13 @@ class RunRecord:
         self.slots = None  # MoE: routing slots per (layer, expert) since the last interval
 
     # ---- before training ----
-    def model(self, parameters: int, active_parameters: int, compiled_regions: dict) -> None:
-        """active_parameters: per token (a mixture of experts: its top-k experts'; dense: all)."""
+    def model(self, parameters: int, active_parameters: int, compiled_regions: dict, **facts) -> None:
+        """active_parameters: per token (a mixture of experts: its top-k experts'; dense: all). facts:
+        frozen (parameters the family builds frozen), ddp_unused_parameters (DDP: those the start-up
+        probe found without a gradient; None elsewhere), router (MoE: train_extras/moe.py's route)."""
         self.summary["model"] = {"parameters": parameters, "active_parameters": active_parameters,
                                  "flops_per_token": self.flops_per_token, **self.flops_counted,
-                                 "compiled_regions": compiled_regions}
+                                 "compiled_regions": compiled_regions, **facts}
 
     def documents(self, mode: str, why: str | None) -> None:
         """What keeps packed documents apart (train_extras/document_mask.py: asked of the model once it

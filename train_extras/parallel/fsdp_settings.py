@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import torch
+from accelerate.utils import DistributedType
 
 from common.config import ConfigError
 from common.guard import flag, requested
@@ -81,3 +82,37 @@ def _blocks_to_wrap(model_config) -> list[str]:
                           f"does not contain; its classes: {', '.join(contained)} (leave the key out to shard by "
                           f"its own blocks, {', '.join(own) or 'none declared'})")
     return named
+
+
+def buffers_aside(model, accelerator) -> dict:
+    """Under FSDP2 with fsdp_cpu_ram_efficient_loading, the model's persistent buffers (DeepSeek-V3's
+    e_score_correction_bias, MiniMax's decay rates), taken off the model for `prepare`; {} otherwise.
+    accelerate 1.15's fsdp2_load_full_state_dict takes every state-dict entry for a sharded parameter
+    and fails on a buffer ("'Tensor' object has no attribute 'device_mesh'", accelerate issue 3898);
+    and on the ranks but rank 0 transformers did not load it (it is still on the meta device).
+    `buffers_back` puts them back after `prepare`, each with rank 0's values."""
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    if not fsdp or not accelerator.state.fsdp_plugin.cpu_ram_efficient_loading:
+        return {}
+    persistent = model.state_dict(keep_vars=True).keys()
+    aside = {}
+    for name, buffer in list(model.named_buffers()):
+        if name in persistent:
+            owner, _, leaf = name.rpartition(".")
+            aside[name] = buffer
+            delattr(model.get_submodule(owner), leaf)
+    return aside
+
+
+def buffers_back(model, aside: dict, accelerator) -> None:
+    """The buffers `buffers_aside` took, registered again (persistent: checkpoints and the export keep
+    them) on the device, rank 0's values broadcast to every rank (a collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    for name, buffer in aside.items():
+        value = torch.empty(buffer.shape, dtype=buffer.dtype, device=accelerator.device)
+        if accelerator.process_index == 0:
+            value.copy_(buffer)
+        dist.broadcast(value, src=0)
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner).register_buffer(leaf, value)
