@@ -133,8 +133,10 @@ def warm_or_cold(cmd: list[str], full_env: dict, cwd: Path, timeout: int, warm: 
     worker = warm_launch.simple_launch(cmd[2:], full_env) if warm else None
     key = warm_launch.Zygote.key(worker[1]) if worker is not None else None
     if key is not None:
-        if key not in _zygotes:
-            if len(_zygotes) >= MAX_ZYGOTES:  # each holds ~0.4 GB: the oldest goes
+        if key in _zygotes:  # the most recently used last: a run with an environment of its own
+            _zygotes[key] = _zygotes.pop(key)  # then evicts another one-off, not the session's main one
+        else:
+            if len(_zygotes) >= MAX_ZYGOTES:  # each holds ~0.4 GB: the least recently used goes
                 _zygotes.pop(next(iter(_zygotes))).close()
             _zygotes[key] = warm_launch.Zygote(worker[1])
         return _zygotes[key].run(*worker, cwd, timeout)

@@ -96,9 +96,6 @@ FAMILIES = {
                                       tie_word_embeddings=False)),
 }
 
-NAMED_IN_ISSUE_43 = ["deepseek_v3", "qwen3_next", "jamba", "granite"]
-
-
 def make_config(name: str):
     return FAMILIES[name][1]()
 

@@ -394,3 +394,31 @@ def test_compile_gives_the_eager_losses(tmp_path, hf_home, train_run):
     assert abs(compiled.summary["eval"][-1]["loss"] - train_run.summary["eval"][-1]["loss"]) <= 1e-6
     # compiled in place: the parameter names are the model's own, and the export loads as trained
     check_export_reproduces_model(compiled)
+
+
+@pytest.mark.quick
+def test_a_sample_from_a_compiled_model_runs_eagerly():
+    """Under --compile the sample compiles nothing: generation changes its shapes with every token,
+    and its recompiles cost minutes (train_extras/observe/sampling.py). Dynamo's own counter of the
+    frames it captured stays where it was; the model's training forward does compile (the counter
+    moves), so the counter can tell."""
+    from accelerate import Accelerator
+    from accelerate.utils import compile_regions_fsdp2
+    from torch._dynamo.utils import counters
+
+    from common.data import build_tokenizer
+    from common.model import build_model
+    from train_extras.observe.sampling import sample_text
+    from train_extras.options import TrainConfig
+
+    torch._dynamo.reset()
+    accelerator = Accelerator(cpu=True)
+    tokenizer = build_tokenizer(TrainConfig())
+    torch.manual_seed(0)
+    model = build_model(TrainConfig(preset="debug"), len(tokenizer))
+    compile_regions_fsdp2(model, backend="eager")  # dynamo captures as under inductor, without its codegen
+    before = counters["stats"]["calls_captured"]
+    text = sample_text(accelerator, model, tokenizer, "\n", max_new_tokens=4, seed=0)
+    assert counters["stats"]["calls_captured"] == before and isinstance(text, str)
+    model(input_ids=torch.tensor([[5, 6, 7, 8]]))  # the compiled regions outside the sample: compiled
+    assert counters["stats"]["calls_captured"] > before
