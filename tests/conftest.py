@@ -115,31 +115,64 @@ def launch_command(recipe: str, args: list[str], hf_home: Path, config: str = "c
     return cmd, {**full_env, **(env or {})}
 
 
-_zygotes: dict[tuple, warm_launch.Zygote] = {}  # the warm processes of tests/warm_launch.py, by Zygote.key
-MAX_ZYGOTES = 3
+# The warm processes of tests/warm_launch.py: 1-process runs' by Zygote.key, workers' by worker_key
+_zygotes: dict[tuple, warm_launch.Zygote] = {}
+_worker_zygotes: dict[tuple, warm_launch.WorkerZygote] = {}
+MAX_ZYGOTES = 3  # each holds ~0.4 GB
+
+
+_served_by_closed: list[list[str]] = []  # the workers the closed workers' zygotes forked
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _close_zygotes():
     yield
-    for zygote in _zygotes.values():
-        zygote.close()
+    for pool in (_zygotes, _worker_zygotes):
+        while pool:
+            _close(pool.pop(next(iter(pool))))
+
+
+def _close(zygote) -> None:
+    if isinstance(zygote, warm_launch.WorkerZygote):
+        _served_by_closed.extend(zygote.served())
+    zygote.close()
+
+
+def served_workers() -> list[list[str]]:
+    """The command line of every worker forked warm this session (tests/warm_launch.py)."""
+    return [*_served_by_closed, *(argv for zygote in _worker_zygotes.values() for argv in zygote.served())]
+
+
+def _warm(pool: dict, key: tuple, start):
+    """The pool's zygote for `key`, started if needed; the most recently used last, so a run with an
+    environment of its own evicts another one-off, not the session's main one."""
+    if key in pool:
+        pool[key] = pool.pop(key)
+    else:
+        if len(pool) >= MAX_ZYGOTES:
+            _close(pool.pop(next(iter(pool))))
+        pool[key] = start()
+    return pool[key]
+
+
+def warm_workers_env(full_env: dict) -> dict:
+    """`full_env` plus what makes torchrun fork the launch's workers from a warm process
+    (tests/warm_launch.py): for a several-process launch run by `accelerate launch` for real."""
+    zygote = _warm(_worker_zygotes, warm_launch.worker_key(full_env), lambda: warm_launch.WorkerZygote(full_env))
+    return {**full_env, **zygote.launch_env()}
 
 
 def warm_or_cold(cmd: list[str], full_env: dict, cwd: Path, timeout: int, warm: bool = True):
     """A 1-process launch forked from the warm process (same worker command and environment as
-    `accelerate launch` gives, ~8 s less start-up: tests/warm_launch.py); anything else, or with
-    warm=False, through the launcher itself."""
+    `accelerate launch` gives, ~8 s less start-up: tests/warm_launch.py); several processes through
+    the launcher with warm workers; with warm=False, or OMP_NUM_THREADS=1 on one process, the
+    launcher and fresh interpreters."""
     worker = warm_launch.simple_launch(cmd[2:], full_env) if warm else None
     key = warm_launch.Zygote.key(worker[1]) if worker is not None else None
     if key is not None:
-        if key in _zygotes:  # the most recently used last: a run with an environment of its own
-            _zygotes[key] = _zygotes.pop(key)  # then evicts another one-off, not the session's main one
-        else:
-            if len(_zygotes) >= MAX_ZYGOTES:  # each holds ~0.4 GB: the least recently used goes
-                _zygotes.pop(next(iter(_zygotes))).close()
-            _zygotes[key] = warm_launch.Zygote(worker[1])
-        return _zygotes[key].run(*worker, cwd, timeout)
+        return _warm(_zygotes, key, lambda: warm_launch.Zygote(worker[1])).run(*worker, cwd, timeout)
+    if warm and worker is None:
+        full_env = warm_workers_env(full_env)
     return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -8,7 +8,7 @@ import transformers
 from transformers import AutoConfig
 
 from conftest import (PAIRS, ROOT, TWO_RANK_ARGS, Run, check_export_reproduces_model, check_loss_goes_down,
-                      launch_two_processes, reference_run)
+                      launch_two_processes, reference_run, served_workers)
 
 DISTRIBUTED_TYPE = {"ddp.yaml": "MULTI_CPU", "fsdp.yaml": "FSDP", "deepspeed_zero3_offload.yaml": "DEEPSPEED"}
 NUM_PARAMETER_TENSORS = 21  # debug preset: embedding, 2 x 9 per layer, final norm, lm_head
@@ -145,3 +145,22 @@ def test_fsdp_recipe_runs_when_copied_out(tmp_path_factory, hf_home):
     assert summary["setup"]["distributed_type"] == "FSDP"
     assert summary["setup"]["code"]["common"] == str(project / "common")  # the copy, not the repo's
     assert len(summary["losses"]) == 6
+
+
+def test_warm_workers_train_as_fresh_interpreters(tmp_path, hf_home, two_process_runs):
+    """The suite's several-process launches run `accelerate launch` and torchrun for real and fork
+    each worker from a warm process (tests/warm_launch.py). Both workers of the FSDP2 recipe's run
+    were forked; the same launch with fresh interpreters trains the same samples, losses, evals and
+    trained logits, bit for bit."""
+    warm = two_process_runs("fsdp_full_shard.py/fsdp.yaml")
+    forked = [argv for argv in served_workers() if str(warm.output_dir) in argv]
+    assert len(forked) == 2 and forked[0][0] == str(ROOT / "recipes" / "fsdp_full_shard.py"), forked
+    out = tmp_path / "cold"
+    cold = Run(out, launch_two_processes("fsdp_full_shard.py", "fsdp.yaml", TWO_RANK_ARGS + ["--output_dir", str(out)],
+                                         hf_home, warm=False))
+    assert not any(str(out) in argv for argv in served_workers())
+    assert cold.summary["losses"] == warm.summary["losses"]
+    assert cold.summary["eval"] == warm.summary["eval"]
+    assert cold.batches == warm.batches
+    assert [rank["probe_logits"] for rank in cold.final] == [rank["probe_logits"] for rank in warm.final]
+    assert cold.summary["setup"]["distributed_type"] == warm.summary["setup"]["distributed_type"] == "FSDP"

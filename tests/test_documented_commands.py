@@ -17,7 +17,7 @@ from accelerate.utils import set_seed
 
 from common.data import build_tokenizer
 from common.model import build_model
-from conftest import ACCELERATE, ROOT, launch_env
+from conftest import ACCELERATE, ROOT, launch_env, warm_or_cold, warm_workers_env
 from documented import CpuCommand, distinct_cpu_commands, documented_lines, expected_precision
 from synthetic import CHAT_TEMPLATE, conversations_file
 from train_extras.options import TrainConfig
@@ -95,8 +95,11 @@ def _run(command: CpuCommand, folder, hf_home) -> list[subprocess.CompletedProce
     env = {**launch_env(hf_home), **command.env}
     env["PYTHONPATH"] = launch_env(hf_home)["PYTHONPATH"]  # the tests' probes, which chain scripts/cpu_harness
     if command.machines == 1:
-        return [subprocess.run(command.argv(ACCELERATE), cwd=folder, env=env, capture_output=True, text=True,
-                               timeout=900)]
+        # The README's lines as typed (launcher and interpreters); the others with the suite's warm
+        # processes (tests/warm_launch.py: accelerate's own worker command, or torchrun's own workers)
+        warm = not command.sources[0].startswith("README.md")
+        return [warm_or_cold(command.argv(ACCELERATE), env, folder, 900, warm=warm)]
+    env = warm_workers_env(env)
     port = _free_port()
     nodes = [subprocess.Popen(command.argv(ACCELERATE, rank, port), cwd=folder, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for rank in range(command.machines)]

@@ -12,7 +12,7 @@ import subprocess
 from train_extras.resume import checkpoint
 import pytest
 
-from conftest import ACCELERATE, HARNESS, ROOT, TWO_RANK_ARGS, Run, launch_env, probe_dir
+from conftest import ACCELERATE, HARNESS, ROOT, TWO_RANK_ARGS, Run, launch_env, probe_dir, warm_workers_env
 
 
 def free_port() -> int:
@@ -37,7 +37,8 @@ def test_two_nodes_train_like_one_node_with_two_processes(tmp_path, hf_home, two
     args = TWO_RANK_ARGS + ["--save_every", "30", "--sample_length", "8", "--output_dir", str(out)]  # as the fixture
     if distributed_type == "FSDP":
         args += ["--model_name_or_path", str(initial_model)]  # as the fixture
-    env = {**launch_env(hf_home), **cpu_env, "ACCELERATE_RECIPES_PROBE_DIR": str(probe_dir(out))}
+    # each node's launcher and torchrun for real, its worker forked warm (tests/warm_launch.py)
+    env = warm_workers_env({**launch_env(hf_home), **cpu_env, "ACCELERATE_RECIPES_PROBE_DIR": str(probe_dir(out))})
     nodes = []
     for machine_rank in (0, 1):
         cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "accelerate_configs" / template),

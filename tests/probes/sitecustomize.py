@@ -289,7 +289,9 @@ def _final_facts(accelerator, facts) -> dict:
                                 if name.endswith("correction_bias")}
     was_training = unwrapped.training
     unwrapped.eval()
-    with torch.no_grad():  # the trained model's own logits, fp32, to compare with the export
+    # the trained model's own logits, fp32, to compare with the export; run eagerly under --compile
+    # (a shape of its own: compiling it cost ~6 s of recompiles after every compiled run)
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         ids = torch.tensor([PROBE_INPUT_IDS], device=accelerator.device)
         out["probe_logits"] = unwrapped(input_ids=ids).logits[0].float().cpu().tolist()
     unwrapped.train(was_training)
