@@ -21,10 +21,12 @@ from transformers import AutoModelForCausalLM, ByT5Tokenizer
 from common.data import build_tokenizer
 from common.export import export_pretrained
 from common.model import build_model, build_optimizer, causal_lm_loss
-from conftest import (SYNTHETIC, TWO_CPU_PROCESSES, TWO_PROCESS_LAUNCH, Run, check_export_reproduces_model, launch,
-                      parse_train)
-from families import FAMILIES, VOCAB, save_family
+from common.config import ConfigError
+from conftest import (HARNESS, SYNTHETIC, TWO_CPU_PROCESSES, TWO_PROCESS_LAUNCH, Run, check_export_reproduces_model,
+                      launch, parse_train)
+from families import FAMILIES, VOCAB, make_config, save_family
 from train_extras import document_mask
+from train_extras.parallel import tensor_parallel
 from train_extras.options import TrainConfig
 
 # What `auto` gives each family on this machine (CPU: none of the CUDA kernels that restart a
@@ -108,6 +110,10 @@ def matrix_runs(tmp_path_factory, hf_home):
             if config == "cpu.yaml":
                 proc = launch("train.py", args + ["--micro_batch_size", "4", "--gradient_accumulation_steps", "2"],
                               hf_home)
+            elif config == "tp.yaml":  # the 2 ranks share each batch: 2 accumulated micro-batches of 4
+                proc = launch("train.py", args + ["--micro_batch_size", "4", "--gradient_accumulation_steps", "2"],
+                              hf_home, config=config, env=HARNESS,
+                              launch_args=TWO_PROCESS_LAUNCH + ["--parallelism_config_tp_size", "2"])
             else:
                 proc = launch("train.py", args + ["--micro_batch_size", "4"], hf_home, config=config,
                               launch_args=TWO_PROCESS_LAUNCH, env=TWO_CPU_PROCESSES[config])
@@ -156,3 +162,46 @@ def test_the_strategies_train_alike(family, matrix_runs):
         diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(summary["losses"], reference["losses"], strict=True)]
         assert max(diffs) < 1e-5, (config, diffs)
         assert abs(summary["eval"][-1]["loss"] - reference["eval"][-1]["loss"]) < 1e-5, config
+
+
+# ---- tensor parallel: decided from the config, before the model is built ----
+
+TP_REFUSED = {  # family -> the line's reason
+    "qwen3_moe": "is a mixture of experts", "glm4_moe": "is a mixture of experts", "gpt_oss": "is a mixture of experts",
+    "qwen3_next": "is a mixture of experts", "jamba": "is a mixture of experts",
+    "granitemoehybrid": "is a mixture of experts", "minimax": "is a mixture of experts",
+    "deepseek_v3": "tensor-parallel plan uses 'mla_kv_a_proj'",
+    "falcon_h1": "tensor-parallel plan splits only embed_tokens",
+    "lfm2": "tensor-parallel plan splits only embed_tokens",
+}
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tensor_parallel_takes_or_refuses_each_family_from_its_config(family):
+    """Read from the config and the model built on the meta device: the dense families whose plan splits
+    their layers are taken; a mixture of experts (its plan names dense MLP projections a sparse layer
+    lacks: transformers 5.25's Qwen2-MoE used to fail after the build on `mlp.gate_proj`), MLA, and a plan
+    that splits only the embedding are one line each."""
+    from test_tensor_parallel import stand_in
+
+    config = make_config(family)
+    if family not in TP_REFUSED:
+        tensor_parallel.check(stand_in(), TrainConfig(), config, "train.py")
+        return
+    line = rf"^train.py: the \w+ model('s)? {TP_REFUSED[family]}.*[:;] use a data-parallel"
+    with pytest.raises(ConfigError, match=line):
+        tensor_parallel.check(stand_in(), TrainConfig(), config, "train.py")
+
+
+def test_granite_under_tensor_parallel_trains_as_one_process(matrix_runs):
+    """Granite (its multipliers and logits scaling around the split layers, tied head kept whole) under
+    tp.yaml: its weights are split over the 2 ranks, and its losses are the 1-process run's (the same
+    micro-batches; fp32 sums in another order) to 1e-5; the export reloads strictly."""
+    run, reference = matrix_runs("granite", "tp.yaml"), matrix_runs("granite", "cpu.yaml").summary
+    assert run.summary["setup"]["tensor_parallel_size"] == 2 and run.summary["setup"]["data_parallel_size"] == 1
+    q = run.final[0]["tensor_parallel_parameters"]["model.layers.0.self_attn.q_proj.weight"]
+    assert q["mesh"] == {"tp": 2} and q["local_shape"][0] * 2 == q["global_shape"][0]
+    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(run.summary["losses"], reference["losses"], strict=True)]
+    assert max(diffs) < 1e-5, diffs
+    check_export_reproduces_model(run, load_tokenizer=ByT5Tokenizer.from_pretrained)

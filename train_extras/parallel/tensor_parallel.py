@@ -135,6 +135,7 @@ def check(accelerator, cfg, model_config, recipe: str) -> None:
         raise ConfigError(f"{recipe}: the {family} model's tensor-parallel plan uses {_listed(refused)}, which this "
                           f"code does not apply (it applies {', '.join(TORCH_STYLES)}); use a data-parallel or "
                           "FSDP config")
+    check_plan_covers_the_model(model_config, recipe)
     split_embedding = [p for p, style in text.base_model_tp_plan.items() if style.startswith("embedding_")]
     tied = getattr(model_config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False)
     if split_embedding and tied:
@@ -147,6 +148,33 @@ def check(accelerator, cfg, model_config, recipe: str) -> None:
         if value is not None and value % tp:
             raise ConfigError(f"{recipe}: tp_size {tp} does not divide the model's {key} ({value}); "
                               "choose a tp_size that divides heads, key/value heads and the MLP width")
+
+
+def check_plan_covers_the_model(model_config, recipe: str) -> None:
+    """What the plan splits, read on the model built on the meta device (no memory, before the real
+    build): refuse a mixture of experts (the plans name the dense MLP's projections, which a sparse
+    layer does not have: its experts would stay whole on every rank, or the plan names modules it
+    lacks), a plan that splits no decoder layer (only the embedding: Falcon-H1, LFM2), and a plan
+    naming a module the model does not have."""
+    from train_extras.moe import routing
+    from train_extras.observe.flops import meta_model, text_config
+
+    family = type(text_config(model_config)).__name__.replace("Config", "")
+    plan = text_config(model_config).base_model_tp_plan
+    model = meta_model(model_config)
+    if routing(model_config, model) is not None:
+        raise ConfigError(f"{recipe}: the {family} model is a mixture of experts, and tensor parallelism here splits "
+                          "attention and dense MLPs only (its plan has no expert-parallel styles this code applies): "
+                          "use a data-parallel, FSDP or DeepSpeed config")
+    if not any(pattern.startswith("layers.") for pattern in plan):
+        raise ConfigError(f"{recipe}: the {family} model's tensor-parallel plan splits only {', '.join(plan)}: every "
+                          "decoder layer would stay whole on every rank; use a data-parallel or FSDP config")
+    names = [name for name, _ in model.named_modules()]
+    for pattern in plan:
+        path = f"{model.base_model_prefix}.{pattern}"
+        if not fnmatch.filter(names, path):
+            raise ConfigError(f"{recipe}: the {family} model's tensor-parallel plan names {path}, which matches no "
+                              "module of the model; use a data-parallel or FSDP config")
 
 
 # transformers' TP plan styles (ALL_PARALLEL_STYLES in transformers/distributed/tensor_parallel.py)
