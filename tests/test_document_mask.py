@@ -112,6 +112,19 @@ def test_the_inputs_made_from_position_ids_and_the_rows_as_one():
 
 
 @pytest.mark.quick
+@pytest.mark.parametrize("family, mode", [("qwen3", "position_ids"), ("gpt_oss", "position_ids+masks"),
+                                          ("jamba", "none")])
+def test_the_probe_gives_the_same_answer_under_bf16_autocast(family, mode):
+    """train.py's bf16 runs probe through accelerate's autocast. The probe's two forwards have the same
+    shapes (the row, then the row with another first document), so bf16 rounds both alike; compared
+    with the second document run alone (another shape), a Llama's logits moved by 0.002 under bf16
+    and `auto` turned the masks off in every bf16 run (caught by test_finetune.py's bf16 fine-tune)."""
+    model = tiny(family)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert document_mask.resolve(model, Accelerator(cpu=True), parse_train([]), VOCAB, None)[0] == mode
+
+
+@pytest.mark.quick
 def test_the_option_is_auto_true_or_false(tmp_path):
     assert parse_train([]).document_mask == "auto"
     assert parse_train(["--document_mask", "true"]).document_mask == "true"

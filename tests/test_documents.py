@@ -347,7 +347,7 @@ def test_a_model_that_cannot_keep_documents_apart_is_refused_by_true_and_unmaske
     else:
         name = type(model.config).__name__.removesuffix("Config")
         assert auto[0] == "none" and auto[1].startswith(f"{name} does not keep packed documents apart: the second of "
-                                                        "two packed documents is "), auto
+                                                        "two packed documents moved by "), auto
         with pytest.raises(ConfigError, match=f"^--document_mask true: {name} does not keep packed documents apart"):
             document_mask.resolve(model, accelerator, parse_train(["--document_mask", "true"]), 100, None)
 

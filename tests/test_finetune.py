@@ -78,6 +78,7 @@ def finetune_run(tmp_path_factory, hf_home, pretrained, line_files):
 def test_the_fine_tune_config_trains_the_pretrained_folder_on_lines(finetune_run, pretrained, line_files):
     setup = finetune_run.summary["setup"]
     assert setup["mixed_precision"] == "bf16"
+    assert setup["documents"] == {"mode": "position_ids", "why": None}  # the probe under bf16 autocast too
     assert setup["options"]["lr"] == 4e-4 and setup["options"]["warmup_steps"] == 2  # 5% of 30 steps, from the file
     assert setup["options"]["model_name_or_path"] == str(pretrained)
     # every line is a document: [BOS] + its tokens + [EOS], packed into blocks of 65

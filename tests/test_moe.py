@@ -229,6 +229,9 @@ def test_an_aux_loss_free_router_trains_under_each_strategy(config, moe_runs, mo
     assert run.final[0]["model_class"] == MODEL_CLASS[AUX_FREE]
     assert ("experts          : 4, top-2 per token; no router loss (aux-loss-free routing); "
             "e_score_correction_bias kept as loaded, not trained") in run.proc.stdout
+    # the default document mask: MLA keeps packed documents apart by their position ids, and says so
+    assert summary["setup"]["documents"] == {"mode": "position_ids", "why": None}
+    assert "documents        : kept apart (position ids)\n" in run.proc.stdout
     model = summary["model"]
     assert model["router"] == {"experts": 4, "top_k": 2, "loss": False, "coef": 0.0,
                                "fixed": ["e_score_correction_bias"]}
