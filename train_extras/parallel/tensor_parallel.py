@@ -169,12 +169,17 @@ def check_plan_covers_the_model(model_config, recipe: str) -> None:
     if not any(pattern.startswith("layers.") for pattern in plan):
         raise ConfigError(f"{recipe}: the {family} model's tensor-parallel plan splits only {', '.join(plan)}: every "
                           "decoder layer would stay whole on every rank; use a data-parallel or FSDP config")
+    missing = unmatched_paths(model, plan)
+    if missing:
+        raise ConfigError(f"{recipe}: the {family} model's tensor-parallel plan names {missing[0]}, which matches no "
+                          "module of the model; use a data-parallel or FSDP config")
+
+
+def unmatched_paths(model: nn.Module, plan: dict) -> list[str]:
+    """The plan's module paths (under the model's base prefix) that match no module of `model`."""
     names = [name for name, _ in model.named_modules()]
-    for pattern in plan:
-        path = f"{model.base_model_prefix}.{pattern}"
-        if not fnmatch.filter(names, path):
-            raise ConfigError(f"{recipe}: the {family} model's tensor-parallel plan names {path}, which matches no "
-                              "module of the model; use a data-parallel or FSDP config")
+    paths = (f"{model.base_model_prefix}.{pattern}" for pattern in plan)
+    return [path for path in paths if not fnmatch.filter(names, path)]
 
 
 # transformers' TP plan styles (ALL_PARALLEL_STYLES in transformers/distributed/tensor_parallel.py)
@@ -279,14 +284,10 @@ def tp_plan(model: nn.Module) -> dict:
     refused = unsupported_styles(declared)
     if refused:
         raise ConfigError(f"{type(model).__name__}'s TP plan uses {_listed(refused)}, which this code does not apply")
-    names = [name for name, _ in model.named_modules()]
-    plan = {}
-    for pattern, style in declared.items():
-        path = f"{model.base_model_prefix}.{pattern}"
-        if not fnmatch.filter(names, path):
-            raise ConfigError(f"the TP plan names {path}, which matches no module of {type(model).__name__}")
-        plan[path] = _torch_style(style)
-    return plan
+    missing = unmatched_paths(model, declared)
+    if missing:  # check() refuses this before the build; kept for a model built another way
+        raise ConfigError(f"the TP plan names {missing[0]}, which matches no module of {type(model).__name__}")
+    return {f"{model.base_model_prefix}.{pattern}": _torch_style(style) for pattern, style in declared.items()}
 
 
 def _listed(refused: dict) -> str:
