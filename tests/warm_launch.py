@@ -110,7 +110,7 @@ class Zygote:
         parent, the launcher, whether the user chose it (train_extras/parallel/cpu_threads.py)."""
         if env.get("OMP_NUM_THREADS") == "1":
             return None
-        return tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES) and k not in HANDLED))
+        return worker_key(env)
 
     def run(self, cmd: list[str], env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory() as tmp:
@@ -140,7 +140,8 @@ class Zygote:
 
 
 def worker_key(env: dict) -> tuple:
-    """What of a worker's environment the libraries read when imported (torchrun's own additions aside)."""
+    """What of a worker's environment the libraries read when imported (what torchrun and the
+    launchers set for the run itself aside)."""
     return tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)
                         and k not in HANDLED and not k.startswith(WORKER_IGNORED)))
 
