@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -56,8 +57,9 @@ def export_pretrained(accelerator, model, tokenizer, out_dir: str | Path, dtype:
         for config in (unwrapped.config, unwrapped.generation_config):
             if getattr(tokenizer, name) is not None and config is not None:
                 setattr(config, name, getattr(tokenizer, name))
-    unwrapped.save_pretrained(partial, state_dict=state_dict, is_main_process=accelerator.is_main_process,
-                              save_function=accelerator.save)
+    with _no_deepspeed_lookup(accelerator):
+        unwrapped.save_pretrained(partial, state_dict=state_dict, is_main_process=accelerator.is_main_process,
+                                  save_function=accelerator.save)
     if accelerator.is_main_process:
         tokenizer.save_pretrained(partial)
         # save_pretrained wrote the live weights' dtype (fp32 masters); from_pretrained must see the files'
@@ -106,6 +108,25 @@ def unwrap(accelerator, model: nn.Module) -> nn.Module:
         return accelerator.unwrap_model(model)
     model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper (a launch's dynamo_backend)
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+@contextlib.contextmanager
+def _no_deepspeed_lookup(accelerator):
+    """save_pretrained unwraps the model again with accelerate's extract_model_from_parallel, which
+    imports deepspeed whenever it is installed (on a machine without a GPU DeepSpeed then logs
+    "Setting accelerator to CPU"). Outside a DeepSpeed run there is no DeepSpeed engine to unwrap, so
+    for that call accelerate is told deepspeed is absent (accelerate 1.15's name, checked first)."""
+    from accelerate.utils import other
+
+    if accelerator.distributed_type == DistributedType.DEEPSPEED or not hasattr(other, "is_deepspeed_available"):
+        yield
+        return
+    looked_up = other.is_deepspeed_available
+    other.is_deepspeed_available = lambda: False
+    try:
+        yield
+    finally:
+        other.is_deepspeed_available = looked_up
 
 
 def embeddings_tied(model: nn.Module) -> bool:

@@ -1,8 +1,9 @@
 """Deployment files (Dockerfile, multi-node configs, SLURM, Kubernetes), checked on CPU.
 
-No SLURM or Kubernetes runs on the build machines, and no Docker engine runs in CI: the image is
-built and drilled only by scripts/docker/drill.sh, by hand (on a local Debian base with the CPU torch;
-the CUDA base has never been built), and the job files never run on a cluster. What is checked here:
+No Kubernetes runs on the build machines, and no Docker engine runs in CI: the image is built and
+drilled only by scripts/docker/drill.sh, by hand (on a local Debian base with the CPU torch; the CUDA
+base has never been built). The sbatch script runs on a real SLURM cluster in test_slurm.py. What is
+checked here:
 - hadolint on the Dockerfile and shellcheck on every shell script of the repository;
 - every file the Dockerfile copies exists and passes .dockerignore; its entry point and CMD launch
   files the image holds; the image runs as a non-root user with HF_HOME and the outputs on volumes;
@@ -11,9 +12,8 @@ the CUDA base has never been built), and the job files never run on a cluster. W
   recipe through the image's entry point, so that the image's install path cannot rot unseen;
 - entrypoint.sh keeps the container alive until a signalled 1-process worker has saved, and ends
   with 75 only when the run wrote its requeue marker;
-- the multi-node configs, the sbatch script (run with stand-ins for srun, scontrol and accelerate)
-  and the PyTorchJob give every machine a launch line that accelerate's own parser and the recipe's
-  option parser accept, naming files that exist.
+- the multi-node configs and the PyTorchJob give every machine a launch line that accelerate's own
+  parser and the recipe's option parser accept, naming files that exist; the sbatch directives.
 The two-machine training run itself is in test_multinode.py.
 """
 
@@ -482,64 +482,6 @@ def test_multi_node_config_and_its_per_machine_commands(config):
 
 # ---------------------------------------------------------------- SLURM
 
-FAKE_SRUN = r"""#!/usr/bin/env bash
-# srun's stand-in: the command once per "node", in parallel, with that node's SLURM_NODEID; the
-# signals it gets go on to every task, as srun's do.
-while [[ $1 == -* ]]; do shift; done
-pids=()
-for ((i = 0; i < SLURM_NNODES; i++)); do
-    SLURM_NODEID=$i SLURM_PROCID=$i "$@" &
-    pids+=("$!")
-done
-trap 'kill -USR1 "${pids[@]}" 2>/dev/null' USR1
-trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
-status=0
-for pid in "${pids[@]}"; do
-    while :; do
-        wait "$pid" && s=0 || s=$?
-        kill -0 "$pid" 2>/dev/null || break
-    done
-    if (( s != 0 )); then status=$s; fi
-done
-exit "$status"
-"""
-
-FAKE_SCONTROL = r"""#!/usr/bin/env bash
-# scontrol's stand-in: a two-node allocation; `requeue` is recorded.
-case "$1" in
-show) printf '%s\n' node-a node-b ;;
-requeue) echo "$2" >>"$FAKE_STATE/requeued" ;;
-*) exit 1 ;;
-esac
-"""
-
-# accelerate's stand-in on one node: records its arguments; in "wait" mode it waits for a signal,
-# then leaves the preemption marker as the workers would, and exits 1 as the launcher does.
-FAKE_NODE_LAUNCHER = """#!{python}
-import json, os, signal, sys, time
-state, node = os.environ["FAKE_STATE"], os.environ["SLURM_NODEID"]
-with open(f"{{state}}/launch_{{node}}.json", "w") as f:
-    json.dump(sys.argv[1:], f)
-if os.environ.get("FAKE_MODE") != "wait":
-    sys.exit(0)
-got = []
-for sig in (signal.SIGUSR1, signal.SIGTERM):
-    signal.signal(sig, lambda signum, frame: got.append(signal.Signals(signum).name))
-with open(f"{{state}}/ready_{{node}}.tmp", "w") as f:
-    f.write(str(os.getpid()))
-os.replace(f"{{state}}/ready_{{node}}.tmp", f"{{state}}/ready_{{node}}")
-while not got:
-    time.sleep(0.05)
-out = sys.argv[sys.argv.index("--output_dir") + 1]
-os.makedirs(out, exist_ok=True)
-with open(f"{{out}}/requeue.json", "w") as f:
-    json.dump({{"signal": got[0]}}, f)
-with open(f"{{state}}/signal_{{node}}", "w") as f:
-    f.write(got[0])
-sys.exit(1)
-"""
-
-
 def sbatch_directives() -> dict[str, str]:
     options = {}
     for line in SBATCH.read_text().splitlines():
@@ -570,79 +512,6 @@ def test_sbatch_directives():
     assert match, options["--signal"]
     assert int(match.group(1)) > int(script_default("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"))
     assert int(options["--nodes"]) >= 2
-
-
-def start_sbatch(tmp_path, mode: str, *extra: str):
-    bin_dir, state = tmp_path / "bin", tmp_path / "state"
-    bin_dir.mkdir(exist_ok=True)
-    state.mkdir(exist_ok=True)
-    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL),
-                       ("accelerate", FAKE_NODE_LAUNCHER.format(python=sys.executable))):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_STATE": str(state),
-           "FAKE_MODE": mode, "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "t", "SLURM_JOB_NODELIST": "node-[a-b]",
-           "SLURM_NNODES": "2", "OUTPUT_DIR": str(tmp_path / "run"), "HF_HOME": str(tmp_path / "hf_home")}
-    for setting in ("CONFIG", "RECIPE", "GPUS_PER_NODE", "MAIN_PORT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
-        env.pop(setting, None)  # the script's own defaults
-    # sbatch runs the script from the submission folder: the repository root.
-    proc = subprocess.Popen(["bash", str(SBATCH), *extra], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return proc, state
-
-
-def wait_for_nodes(proc, state) -> list[int]:
-    deadline = time.monotonic() + 30
-    while not all((state / f"ready_{node}").exists() for node in (0, 1)):
-        assert time.monotonic() < deadline and proc.poll() is None, "the stand-in launchers never started"
-        time.sleep(0.05)
-    return [int((state / f"ready_{node}").read_text()) for node in (0, 1)]
-
-
-def test_sbatch_gives_each_node_its_launch_line(tmp_path):
-    # A marker left by the run before must not requeue this one (it would requeue forever a job
-    # that fails before train.py starts and deletes it).
-    (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "requeue.json").write_text("{}")
-    proc, state = start_sbatch(tmp_path, "exit", "--max_steps", "700")
-    output = proc.communicate(timeout=60)[0]
-    assert proc.returncode == 0, output
-    assert not (state / "requeued").exists(), output
-    for node in (0, 1):
-        launch = launch_command_parser().parse_args(json.loads((state / f"launch_{node}.json").read_text())[1:])
-        assert launch.num_machines == 2 and launch.machine_rank == node
-        assert launch.num_processes == 2 * int(script_default("GPUS_PER_NODE"))
-        assert (launch.main_process_ip, launch.main_process_port) == ("node-a", int(script_default("MAIN_PORT")))
-        config = ROOT / launch.config_file
-        assert config.is_file() and yaml.safe_load(config.read_text())["num_machines"] >= 2
-        assert (ROOT / launch.training_script).is_file()
-        options = parse_train(launch.training_script_args)
-        assert options.resume_from_checkpoint == "auto"  # a requeued job resumes
-        assert options.output_dir == str(tmp_path / "run")
-        assert options.max_steps == 700  # sbatch's own arguments come last and win
-
-
-def test_sbatch_forwards_usr1_and_requeues_on_the_marker(tmp_path):
-    proc, state = start_sbatch(tmp_path, "wait")
-    wait_for_nodes(proc, state)
-    os.kill(proc.pid, signal.SIGUSR1)  # SLURM's --signal=B:USR1@... before the time limit
-    output = proc.communicate(timeout=60)[0]
-    assert proc.returncode == 0, output
-    assert [(state / f"signal_{node}").read_text() for node in (0, 1)] == ["SIGUSR1", "SIGUSR1"]
-    assert (state / "requeued").read_text().split() == ["4242"], output
-
-
-def test_sbatch_does_not_requeue_a_cancelled_job(tmp_path):
-    proc, state = start_sbatch(tmp_path, "wait")
-    pids = wait_for_nodes(proc, state)
-    # scancel: SLURM sends SIGTERM to every process of the job, the batch shell included.
-    os.kill(proc.pid, signal.SIGTERM)
-    for pid in pids:
-        os.kill(pid, signal.SIGTERM)
-    output = proc.communicate(timeout=60)[0]
-    assert (tmp_path / "run" / "requeue.json").exists()  # the workers saved ...
-    assert not (state / "requeued").exists(), output    # ... and the job stays cancelled
-    assert proc.returncode != 0
 
 
 # ---------------------------------------------------------------- Kubernetes

@@ -13,6 +13,7 @@ import runpy
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -211,6 +212,33 @@ def test_sigterm_to_a_one_process_launcher_still_saves(tmp_path, hf_home):
     marker = json.loads((out / preemption.REQUEUE_MARKER).read_text())
     checkpoint.verify(marker["checkpoint"])
     assert error_lines(text(logs), f"stopped: preempted (SIGTERM) at step {marker['step']}")
+
+
+def test_the_job_launcher_forwards_sigterm_to_a_one_process_run_and_ends_in_one_line(tmp_path, hf_home):
+    """train_extras/resume/launch.py (the launcher of scripts/slurm/train.sbatch): accelerate launch's
+    command line; a signal to it reaches the worker, which saves; then one line and exit code 75, no
+    traceback. (Several processes, through torchelastic: tests/test_slurm.py, on a real cluster.)"""
+    out, logs = tmp_path / "run", tmp_path / "logs"
+    args = DEBUG_ARGS + ["--max_steps", "100000", "--eval_every", "0", "--save_model", "false",
+                         "--output_dir", str(out)]
+    cmd, env = launch_command("train.py", args, hf_home)
+    logs.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "train_extras.resume.launch", *cmd[2:]], cwd=ROOT, env=env,
+                            stdout=open(logs / "stdout", "w"), stderr=open(logs / "stderr", "w"))
+    STARTED.append(proc)
+    wait_for(lambda: " tok/s" in text(logs, "stdout"), proc, "training progress")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == preemption.EXIT_CODE
+    marker = json.loads((out / preemption.REQUEUE_MARKER).read_text())
+    checkpoint.verify(marker["checkpoint"])
+    stderr = text(logs)
+    assert error_lines(stderr, "stopped: ") == [
+        f"stopped: preempted (SIGTERM) at step {marker['step']}: saved {marker['checkpoint']} and "
+        f"{out}/requeue.json; exit code 75; rerun with --resume_from_checkpoint auto"]
+    assert error_lines(stderr, "launch: ") == [
+        "launch: the workers stopped with exit code 75 (preempted, checkpoint saved: requeue with "
+        "--resume_from_checkpoint auto)"]
+    assert "Traceback" not in stderr
 
 
 # A long eval: once the model has trained, each held-out batch and each generated token takes 1 s

@@ -81,7 +81,8 @@ class PreemptionWatch:
         if self.signal_name is None:
             self.signal_name = signal.Signals(signum).name
             # os.write: no buffered print inside a signal handler; a line of its own after the progress bar
-            os.write(2, f"\n[pid {os.getpid()}] {self.signal_name} received: stopping after this step\n".encode())
+            rank = f"rank {os.environ['RANK']}, " if "RANK" in os.environ else ""  # set by the launcher
+            os.write(2, f"\n[{rank}pid {os.getpid()}] {self.signal_name} received: stopping after this step\n".encode())
 
     def vote(self, device) -> torch.Tensor:
         """1.0 if this rank was signalled; summed over ranks with the step's loss. One tensor kept on
