@@ -57,7 +57,7 @@ def export_pretrained(accelerator, model, tokenizer, out_dir: str | Path, dtype:
         for config in (unwrapped.config, unwrapped.generation_config):
             if getattr(tokenizer, name) is not None and config is not None:
                 setattr(config, name, getattr(tokenizer, name))
-    with _no_deepspeed_lookup(accelerator):
+    with _deepspeed_absent(accelerator.distributed_type != DistributedType.DEEPSPEED):
         unwrapped.save_pretrained(partial, state_dict=state_dict, is_main_process=accelerator.is_main_process,
                                   save_function=accelerator.save)
     if accelerator.is_main_process:
@@ -102,27 +102,19 @@ def not_an_export(folder: str | Path) -> str | None:
 
 
 def unwrap(accelerator, model: nn.Module) -> nn.Module:
-    """accelerate's unwrap_model, which imports deepspeed whenever it is installed (seconds, and on
-    a CPU machine DeepSpeed's "Setting accelerator to CPU" warning), where no DeepSpeed engine can be."""
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        return accelerator.unwrap_model(model)
-    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper (a launch's dynamo_backend)
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    with _deepspeed_absent(accelerator.distributed_type != DistributedType.DEEPSPEED):
+        return accelerator.unwrap_model(model, keep_torch_compile=False)
 
 
 @contextlib.contextmanager
-def _no_deepspeed_lookup(accelerator):
-    """save_pretrained unwraps the model again with accelerate's extract_model_from_parallel, which
-    imports deepspeed whenever it is installed (on a machine without a GPU DeepSpeed then logs
-    "Setting accelerator to CPU"). Outside a DeepSpeed run there is no DeepSpeed engine to unwrap, so
-    for that call accelerate is told deepspeed is absent (accelerate 1.15's name, checked first)."""
+def _deepspeed_absent(absent: bool):
+    """accelerate's unwrapping (also inside save_pretrained) imports deepspeed whenever it is installed:
+    seconds, and on a machine without a GPU DeepSpeed's "Setting accelerator to CPU" warning, in a run
+    with no DeepSpeed engine to unwrap. There accelerate is told, for the call, that it is absent."""
     from accelerate.utils import other
 
-    if accelerator.distributed_type == DistributedType.DEEPSPEED or not hasattr(other, "is_deepspeed_available"):
-        yield
-        return
     looked_up = other.is_deepspeed_available
-    other.is_deepspeed_available = lambda: False
+    other.is_deepspeed_available = (lambda: False) if absent else looked_up
     try:
         yield
     finally:

@@ -694,18 +694,7 @@ def stop_preempted(run: Run, record: RunRecord, preempted: dict) -> None:
         preempted["marker"] = str(marker)
     record.preempted(preempted)
     end(accelerator)
-    during = f" during its {preempted['interrupted']}" if preempted.get("interrupted") else ""
-    who = f"rank {accelerator.process_index} of {accelerator.num_processes} exits with" \
-        if accelerator.num_processes > 1 else "exit"  # every process says it: one line each in a job's log
-    if saved is None:
-        raise preemption.Preempted(
-            f"preempted ({preempted['signal']}) before the first step{during}: nothing trained, no "
-            f"checkpoint; wrote {cfg.output_dir}/{preemption.REQUEUE_MARKER}; {who} code {preemption.EXIT_CODE}; "
-            "rerun as it was (the requeued run starts afresh)")
-    raise preemption.Preempted(
-        f"preempted ({preempted['signal']}) at step {step}{during}: saved {saved} and "
-        f"{cfg.output_dir}/{preemption.REQUEUE_MARKER}; {who} code {preemption.EXIT_CODE}; rerun with "
-        "--resume_from_checkpoint auto")
+    raise preemption.stopped(preempted, cfg.output_dir, accelerator.process_index, accelerator.num_processes)
 
 
 def checkpoint_before_export(run: Run, record: RunRecord, start_step: int,

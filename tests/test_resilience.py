@@ -24,6 +24,7 @@ from accelerate.utils import DistributedType
 from common.config import ConfigError
 from probes.sitecustomize import FAULT_PHASES
 from train_extras.resume import checkpoint, preemption
+from train_extras.resume import launch as job_launcher
 from train_extras.options import TrainConfig
 from conftest import (DEBUG_ARGS, HARNESS, PROBES, ROOT, TRAIN_ARGS, TWO_CPU_PROCESSES, TWO_PROCESS_LAUNCH,
                       TWO_RANK_ARGS, Run, check_exact_resume, check_resumed_losses, launch, launch_command,
@@ -212,6 +213,35 @@ def test_sigterm_to_a_one_process_launcher_still_saves(tmp_path, hf_home):
     marker = json.loads((out / preemption.REQUEUE_MARKER).read_text())
     checkpoint.verify(marker["checkpoint"])
     assert error_lines(text(logs), f"stopped: preempted (SIGTERM) at step {marker['step']}")
+
+
+@pytest.mark.quick
+def test_the_job_launcher_explains_only_the_codes_its_workers_explained(tmp_path):
+    """train_extras/resume/launch.py ends in one line only when every failed worker ended with one of
+    train.py's own codes (it printed its own line); a crash or a signal keeps the launcher's report."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    def failed(*codes: int) -> ChildFailedError:
+        failures = {}
+        for rank, code in enumerate(codes):
+            failures[rank] = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code,
+                                            error_file=str(tmp_path / "none"))
+            failures[rank].timestamp = rank  # rank 0 first
+        return ChildFailedError("train.py", failures)
+
+    assert job_launcher.explained_code(failed(75, 75)) == 75
+    assert job_launcher.explained_code(failed(2, 75)) == 2  # the first failure's
+    assert job_launcher.explained_code(failed(75, -9)) is None  # a rank killed by a signal
+    assert job_launcher.explained_code(failed(1)) is None  # a crash: its traceback stays
+    assert job_launcher.explained_code(subprocess.CalledProcessError(75, ["python"])) == 75  # one process
+    assert job_launcher.explained_code(subprocess.CalledProcessError(1, ["python"])) is None
+    assert job_launcher.explained_code(RuntimeError("rendezvous")) is None
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert job_launcher.children() == [child.pid]  # whom a signal is passed on to
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_the_job_launcher_forwards_sigterm_to_a_one_process_run_and_ends_in_one_line(tmp_path, hf_home):

@@ -62,6 +62,18 @@ class Preempted(RecipeStop):
     exit_code, prefix = EXIT_CODE, "stopped"
 
 
+def stopped(preempted: dict, output_dir, rank: int, world_size: int) -> Preempted:
+    """The line each process ends a preempted run with (one per process in a job's log)."""
+    during = f" during its {preempted['interrupted']}" if preempted.get("interrupted") else ""
+    signal_name, saved, marker = preempted["signal"], preempted["checkpoint"], f"{output_dir}/{REQUEUE_MARKER}"
+    code = f"rank {rank} of {world_size} exits with code {EXIT_CODE}" if world_size > 1 else f"exit code {EXIT_CODE}"
+    if saved is None:
+        return Preempted(f"preempted ({signal_name}) before the first step{during}: nothing trained, no checkpoint; "
+                         f"wrote {marker}; {code}; rerun as it was (the requeued run starts afresh)")
+    return Preempted(f"preempted ({signal_name}) at step {preempted['step']}{during}: saved {saved} and {marker}; "
+                     f"{code}; rerun with --resume_from_checkpoint auto")
+
+
 class PreemptionWatch:
     """Records the first preemption signal; the training loop polls it once per step."""
 
