@@ -238,7 +238,7 @@ def test_the_job_launcher_explains_only_the_codes_its_workers_explained(tmp_path
     assert job_launcher.explained_code(RuntimeError("rendezvous")) is None
     child = subprocess.Popen(["sleep", "30"])
     try:
-        assert job_launcher.children() == [child.pid]  # whom a signal is passed on to
+        assert child.pid in job_launcher.children()  # whom a signal is passed on to (and any other child)
     finally:
         child.kill()
         child.wait()
