@@ -35,6 +35,7 @@ the marker exists; the resumed run deletes it once it has loaded the checkpoint.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import sys
@@ -185,4 +186,20 @@ def run_cli(main, argv: list[str] | None = None) -> int:
             # Skip the interpreter's teardown: destroying a process group whose peer is gone can hang.
             os._exit(COLLECTIVE_FAILURE_EXIT_CODE)
 
-    return config_run_cli(main_or_lost_rank, argv)
+    return without_teardown(config_run_cli(main_or_lost_rank, argv))
+
+
+def without_teardown(code: int) -> int:
+    """A run that used a process group ends here, without the interpreter's teardown. Freeing a gloo
+    process group joins its worker threads while holding the GIL, and a worker thread that is still
+    freeing a finished collective's tensors needs the GIL: a deadlock (seen once in a dozen 2-node
+    SLURM jobs: rank 1 hung after the run's last line, in ~ProcessGroupGloo under DDP's Reducer,
+    which kept the job alive). Everything the run writes is written and closed by then."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return code
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
