@@ -29,10 +29,14 @@ from pathlib import Path
 
 from accelerate.commands.launch import launch_command, launch_command_parser
 
-# train.py's exit codes after its own one line (common/config.py, train_extras/resume/preemption.py)
-EXPLAINED = {75: "preempted, checkpoint saved: requeue with --resume_from_checkpoint auto", 2: "bad input",
-             3: "training failure", 4: "a rank was lost"}
-FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
+from common.config import ConfigError, TrainingError
+from train_extras.resume import preemption
+
+# train.py's exit codes after its own one line
+EXPLAINED = {preemption.EXIT_CODE: "preempted, checkpoint saved: requeue with --resume_from_checkpoint auto",
+             ConfigError.exit_code: "bad input", TrainingError.exit_code: "training failure",
+             preemption.COLLECTIVE_FAILURE_EXIT_CODE: "a rank was lost"}
+FORWARDED = preemption.SIGNALS  # what train.py saves and stops on
 # What torchelastic still handles itself (its default list, less the two above): an interactive ^C.
 TORCHELASTIC_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
 
