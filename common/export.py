@@ -18,10 +18,12 @@ PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # accelerate
 MARKER = ".accelerate_recipes_export.json"  # in every export since issue 42, listing its files (not_an_export)
 
 
-def export_pretrained(accelerator, model, tokenizer, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+def export_pretrained(accelerator, model, tokenizer, out_dir: str | Path, dtype: torch.dtype | None = None,
+                      write=None) -> Path:
     """Write the folder, its weights in `dtype` (default: the run's precision, so a bf16 run's export
     is bf16, half the size of fp32). Call on every rank: gathering sharded weights is a collective;
-    only the main process writes. The folder is written whole beside `out_dir`, then swapped in
+    only the main process writes, with save_pretrained or `write(folder, model, state_dict)` (train.py's
+    LoRA adapters: train_extras/lora.py). The folder is written whole beside `out_dir`, then swapped in
     (common/files.py): a kill at any moment leaves `out_dir` the earlier export or this one (where the
     file system cannot swap, NFS, missing between two renames: the next export puts the old one back).
     It goes in with its MARKER; an `out_dir` that is not an export so marked is refused, left as it was."""
@@ -57,14 +59,17 @@ def export_pretrained(accelerator, model, tokenizer, out_dir: str | Path, dtype:
         for config in (unwrapped.config, unwrapped.generation_config):
             if getattr(tokenizer, name) is not None and config is not None:
                 setattr(config, name, getattr(tokenizer, name))
-    with _deepspeed_absent(accelerator.distributed_type != DistributedType.DEEPSPEED):
-        unwrapped.save_pretrained(partial, state_dict=state_dict, is_main_process=accelerator.is_main_process,
-                                  save_function=accelerator.save)
+    if write is None:
+        with deepspeed_absent(accelerator.distributed_type != DistributedType.DEEPSPEED):
+            unwrapped.save_pretrained(partial, state_dict=state_dict, is_main_process=accelerator.is_main_process,
+                                      save_function=accelerator.save)
+    elif accelerator.is_main_process:
+        write(partial, unwrapped, state_dict)
     if accelerator.is_main_process:
         tokenizer.save_pretrained(partial)
-        # save_pretrained wrote the live weights' dtype (fp32 masters); from_pretrained must see the files'
-        unwrapped.config.dtype = dtype  # (the model is done: nothing reads its config after the export)
-        unwrapped.config.save_pretrained(partial)
+        if write is None:  # save_pretrained wrote the live weights' dtype (fp32 masters): the files' dtype
+            unwrapped.config.dtype = dtype  # (the model is done: nothing reads its config after the export)
+            unwrapped.config.save_pretrained(partial)
         mark_export(partial)
     accelerator.wait_for_everyone()  # every rank is out of save_pretrained (it lists `partial`) before it moves
     if accelerator.is_main_process:
@@ -102,12 +107,12 @@ def not_an_export(folder: str | Path) -> str | None:
 
 
 def unwrap(accelerator, model: nn.Module) -> nn.Module:
-    with _deepspeed_absent(accelerator.distributed_type != DistributedType.DEEPSPEED):
+    with deepspeed_absent(accelerator.distributed_type != DistributedType.DEEPSPEED):
         return accelerator.unwrap_model(model, keep_torch_compile=False)
 
 
 @contextlib.contextmanager
-def _deepspeed_absent(absent: bool):
+def deepspeed_absent(absent: bool):
     """accelerate's unwrapping (also inside save_pretrained) imports deepspeed whenever it is installed:
     seconds, and on a machine without a GPU DeepSpeed's "Setting accelerator to CPU" warning, in a run
     with no DeepSpeed engine to unwrap. There accelerate is told, for the call, that it is absent."""

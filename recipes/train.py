@@ -64,7 +64,7 @@ from common import config, data, guard
 from common import model as modeling
 from common.export import export_pretrained
 from common.files import partial_dir
-from train_extras import chunked_loss, document_mask, moe, muon
+from train_extras import chunked_loss, document_mask, lora, moe, muon
 from train_extras.data import assemble, at_scale, render
 from train_extras.observe import flops, metrics, run_record, tracking
 from train_extras.observe.run_record import RunRecord
@@ -324,6 +324,9 @@ def build(cfg, accelerator, tokenizer, train_data: TrainData, facts: ModelFacts,
     # from_pretrained makes every loaded parameter trainable; what the family builds frozen (a
     # router's correction bias) stays frozen, out of the optimizer (train_extras/moe.py)
     moe.keep_frozen(model, facts.frozen)
+    adapters = lora.apply(model, cfg)  # --lora_r: the base frozen, low-rank adapters trained
+    if adapters and accelerator.is_main_process:
+        print(f"lora             : {lora.describe(adapters)}", flush=True)
     # DDP: trainable parameters that get no gradient, found by one probe backward (DDP is told);
     # before compiling, which the probe's eval mode would make compile twice
     def objective(m, ids, labels):  # reaches the parameters training reaches
@@ -369,7 +372,7 @@ def build(cfg, accelerator, tokenizer, train_data: TrainData, facts: ModelFacts,
     chunked_loss.check_plain_head(model, loss_head, accelerator, len(tokenizer))
     active = parameters - facts.inactive_parameters  # MoE: a token goes through top-k experts
     record.model(parameters, active, metrics.compiled_regions(model), frozen=sorted(facts.frozen),
-                 ddp_unused_parameters=unused,
+                 ddp_unused_parameters=unused, lora=adapters,
                  **({"router": facts.route} if facts.route else {}))
     setup = record.summary["setup"]
     saved = {"batches_per_epoch": None if cfg.streaming else len(train_loader),
@@ -671,8 +674,9 @@ def finish(run: Run, record: RunRecord, start_step: int, watch, micro_batches_do
         kept = checkpoint_before_export(run, record, start_step, micro_batches_done)
         dtype = None if cfg.export_dtype == "auto" else getattr(torch, cfg.export_dtype)
         try:
-            export = export_pretrained(run.accelerator, run.model, run.tokenizer,
-                                       f"{cfg.output_dir}/model", dtype)
+            merged = f"{cfg.output_dir}/model_merged" if cfg.lora_merge else None
+            export = export_pretrained(run.accelerator, run.model, run.tokenizer, f"{cfg.output_dir}/model",
+                                       dtype, write=lora.writer(merged, run.tokenizer) if cfg.lora_r else None)
         except Exception as err:
             if not output_dir.disk_full(err):
                 raise

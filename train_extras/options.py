@@ -253,13 +253,45 @@ class LossOptions:
 
 
 @dataclass
+class LoraOptions:
+    """Low-rank adapters (train_extras/lora.py): the base model frozen, only the adapters trained."""
+    lora_r: int = field(
+        default=0, metadata={"help": "Train LoRA adapters of this rank on a frozen base model (peft); 0 = train "
+                                     "every weight."})
+    lora_alpha: float | None = field(
+        default=None, metadata={"help": "LoRA's scale numerator (the update is alpha/r * B A); default 2 x "
+                                        "--lora_r."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the adapters' input."})
+    lora_target_modules: list[str] | None = field(
+        default=None, metadata={"help": "Names of the layers to adapt (peft's target_modules); default: every "
+                                        "linear layer of the decoder blocks but an MoE router, found from the "
+                                        "model."})
+    lora_merge: bool = field(
+        default=False, metadata={"help": "Also export the base with the adapters merged in, a model "
+                                         "from_pretrained loads alone, to <output_dir>/model_merged."})
+
+    def check(self):
+        given = [f"--{name}" for name in ("lora_alpha", "lora_dropout", "lora_target_modules", "lora_merge")
+                 if getattr(self, name) != self.__dataclass_fields__[name].default]
+        if self.lora_r < 0:
+            raise ConfigError(f"--lora_r must be >= 0, got {self.lora_r}")
+        if self.lora_r == 0 and given:
+            raise ConfigError(f"{', '.join(given)} set LoRA's adapters: add --lora_r (their rank)")
+        if not 0.0 <= self.lora_dropout < 1.0 or (self.lora_alpha is not None and not self.lora_alpha > 0):
+            raise ConfigError("--lora_dropout must be in [0, 1) and --lora_alpha > 0")
+        if self.lora_r and self.optimizer == "muon":
+            raise ConfigError("--lora_r with --optimizer muon: Muon orthogonalises whole weight matrices, and a "
+                              "LoRA run trains only low-rank factors; use AdamW (the default)")
+
+
+@dataclass
 class TrainConfig(CompileOptions, SampleOptions, TrackingOptions, CheckpointOptions, Fp16Options,
-                  AccumulationOptions, MixtureOfExpertsOptions, LossOptions, MuonOptions, RecipeConfig,
+                  AccumulationOptions, MixtureOfExpertsOptions, LossOptions, MuonOptions, LoraOptions, RecipeConfig,
                   DocumentOptions, DataAtScaleOptions, FineTuneOptions):
     """Every option of train.py: --help lists the groups from the last base to the first."""
     # FineTuneOptions' check first: it sets --warmup_steps from --warmup_ratio, which OptimizerOptions' checks.
     check_order = (FineTuneOptions, DocumentOptions, DataAtScaleOptions, ModelOptions, DataOptions, OptimizerOptions,
-                   MuonOptions, LossOptions, MixtureOfExpertsOptions, AccumulationOptions, Fp16Options,
+                   MuonOptions, LoraOptions, LossOptions, MixtureOfExpertsOptions, AccumulationOptions, Fp16Options,
                    CheckpointOptions, TrackingOptions, SampleOptions)
 
     def __post_init__(self):

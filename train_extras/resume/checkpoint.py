@@ -262,7 +262,8 @@ REPLICATED = ("NO", "MULTI_CPU", "MULTI_GPU")
 TRAINED_ON = ("seed", "seq_len", "preset", "model_name_or_path", "tokenizer_name_or_path", "dataset_name",
               "dataset_config", "dataset_split", "eval_split", "txt_documents", "text_column", "eval_fraction",
               "add_bos", "packing", "chat_column", "overlong", "weight_decay", "adam_beta1",
-              "adam_beta2", "adam_eps", "optimizer", "muon_weight_decay", "muon_momentum", "muon_adjust_lr")
+              "adam_beta2", "adam_eps", "optimizer", "muon_weight_decay", "muon_momentum", "muon_adjust_lr",
+              "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
 # What a resumed run may change, applied from its first step and recorded as applied; every other
 # option changes nothing that was trained (cadences of logs, samples, trackers, timeouts, export).
 APPLIED_ON_RESUME = ("lr", "muon_lr", "lr_schedule", "warmup_steps", "warmup_ratio", "min_lr_ratio", "decay_fraction",
