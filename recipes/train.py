@@ -324,7 +324,8 @@ def build(cfg, accelerator, tokenizer, train_data: TrainData, facts: ModelFacts,
     # from_pretrained makes every loaded parameter trainable; what the family builds frozen (a
     # router's correction bias) stays frozen, out of the optimizer (train_extras/moe.py)
     moe.keep_frozen(model, facts.frozen)
-    adapters = lora.apply(model, cfg)  # --lora_r: the base frozen, low-rank adapters trained
+    # --lora_r: the base frozen, low-rank adapters trained (train_extras/lora.py)
+    adapters = lora.apply(model, cfg, bool(facts.tp_layout))
     if adapters and accelerator.is_main_process:
         print(f"lora             : {lora.describe(adapters)}", flush=True)
     # DDP: trainable parameters that get no gradient, found by one probe backward (DDP is told);
@@ -675,8 +676,9 @@ def finish(run: Run, record: RunRecord, start_step: int, watch, micro_batches_do
         dtype = None if cfg.export_dtype == "auto" else getattr(torch, cfg.export_dtype)
         try:
             merged = f"{cfg.output_dir}/model_merged" if cfg.lora_merge else None
-            export = export_pretrained(run.accelerator, run.model, run.tokenizer, f"{cfg.output_dir}/model",
-                                       dtype, write=lora.writer(merged, run.tokenizer) if cfg.lora_r else None)
+            write = lora.writer(merged, run.tokenizer) if cfg.lora_r else None  # the adapter folder
+            export = export_pretrained(run.accelerator, run.model, run.tokenizer,
+                                       f"{cfg.output_dir}/model", dtype, write=write)
         except Exception as err:
             if not output_dir.disk_full(err):
                 raise

@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM
 
 from common.config import ConfigError
 from common.data import build_tokenizer
-from conftest import parse_train
+from conftest import (TWO_RANK_ARGS, Run, check_exact_resume, launch, launch_two_processes,
+                      parse_train)
 from families import FAMILIES, VOCAB, save_family
 from train_extras import lora
 from train_extras.options import TrainConfig
@@ -80,3 +81,77 @@ def test_lora_options_are_checked_in_one_line():
     with pytest.raises(ConfigError, match="Muon"):
         parse_train(lora_args("--optimizer", "muon"))
     assert lora.apply(AutoModelForCausalLM.from_config(FAMILIES["qwen3"][1]()), parse_train([])) is None
+
+
+# ---- launched: one process, and two through each strategy, from the same pretrained folder ----
+LORA_ARGS = TWO_RANK_ARGS + ["--lora_r", "4", "--lr", "1e-2", "--save_every", "30", "--sample_length", "8",
+                             "--lora_merge", "true"]
+STRATEGIES = ["ddp.yaml", "fsdp.yaml", "deepspeed_zero3_offload.yaml"]
+
+
+@pytest.fixture(scope="session")
+def lora_runs(tmp_path_factory, hf_home, initial_model):
+    """config -> the LoRA run of the debug model saved by `initial_model`, launched once, lazily."""
+    runs = {}
+
+    def get(config: str) -> Run:
+        if config not in runs:
+            out = tmp_path_factory.mktemp(f"lora_{config.split('.')[0]}")
+            args = LORA_ARGS + ["--model_name_or_path", str(initial_model), "--output_dir", str(out)]
+            proc = (launch("train.py", args, hf_home) if config == "cpu.yaml"
+                    else launch_two_processes("train.py", config, args, hf_home))
+            runs[config] = Run(out, proc)
+        return runs[config]
+    return get
+
+
+def base_weights(folder) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def check_lora_run(run: Run, initial_model, base_run: Run) -> None:
+    from probes.sitecustomize import PROBE_INPUT_IDS
+
+    summary = run.summary
+    facts = summary["model"]["lora"]
+    assert facts["r"] == 4 and facts["alpha"] == 8 and facts["trainable_parameters"] == 9344
+    # step 0: the base model's own held-out loss (adapters start as the identity)
+    assert abs(summary["eval"][0]["loss"] - base_run.summary["eval"][0]["loss"]) < 1e-6
+    assert summary["eval"][-1]["loss"] < summary["eval"][0]["loss"] - 0.01  # the adapters learned
+    trained = torch.tensor(run.final[0]["probe_logits"])
+    ids = torch.tensor([PROBE_INPUT_IDS])
+    with torch.no_grad():  # the adapter folder on the untouched base, and the merged model, alone
+        base = AutoModelForCausalLM.from_pretrained(initial_model)
+        adapted = PeftModel.from_pretrained(base, run.output_dir / "model")(ids).logits[0]
+        merged = AutoModelForCausalLM.from_pretrained(run.output_dir / "model_merged")(ids).logits[0]
+    assert (adapted - trained).abs().max() < 1e-5
+    assert (merged - trained).abs().max() < 1e-5
+
+
+def test_lora_on_one_process_trains_only_adapters_and_exports_both_folders(lora_runs, initial_model,
+                                                                            two_process_runs):
+    run = lora_runs("cpu.yaml")
+    check_lora_run(run, initial_model, two_process_runs("train.py/fsdp.yaml"))
+    # the base weights in the last checkpoint are the pretrained ones, bit for bit
+    saved, initial = base_weights(run.output_dir / "checkpoints" / "step_60"), base_weights(initial_model)
+    base = lora.base_state(saved)
+    assert {k for k in base if k != "lm_head.weight"} == {k for k in initial if k != "lm_head.weight"}
+    assert all(torch.equal(base[name], initial[name]) for name in initial if name in base)
+    assert any(".lora_B." in k and v.abs().max() > 0 for k, v in saved.items())
+
+
+@pytest.mark.parametrize("config", STRATEGIES)
+def test_lora_under_each_strategy_trains_as_one_process(config, lora_runs, initial_model, two_process_runs):
+    run, alone = lora_runs(config), lora_runs("cpu.yaml")
+    check_lora_run(run, initial_model, two_process_runs("train.py/fsdp.yaml"))
+    for mine, reference in zip(run.summary["losses"], alone.summary["losses"]):
+        assert mine["step"] == reference["step"] and abs(mine["loss"] - reference["loss"]) < 1e-4, (mine, reference)
+
+
+def test_a_lora_run_resumes_exactly(tmp_path, hf_home, lora_runs, initial_model):
+    full = lora_runs("cpu.yaml")
+    args = LORA_ARGS + ["--model_name_or_path", str(initial_model), "--output_dir", str(tmp_path),
+                        "--resume_from_checkpoint", str(full.output_dir / "checkpoints" / "step_30")]
+    check_exact_resume(full, Run(tmp_path, launch("train.py", args, hf_home)), 30)

@@ -66,11 +66,14 @@ def lora_config(cfg, model: nn.Module):
                       target_modules=list(cfg.lora_target_modules or targets(model)), task_type="CAUSAL_LM")
 
 
-def apply(model: nn.Module, cfg) -> dict | None:
+def apply(model: nn.Module, cfg, tensor_parallel: bool = False) -> dict | None:
     """Adapters injected in place (the base frozen); what the run's record says about them. None
     without --lora_r."""
     if not cfg.lora_r:
         return None
+    if tensor_parallel:  # the TP plan splits the layers by their names, which adapters change
+        raise ConfigError("--lora_r with tensor parallelism is not supported: use FSDP2 or ZeRO-3 for a base model "
+                          "too large for one device")
     from peft import inject_adapter_in_model
 
     config = lora_config(cfg, model)

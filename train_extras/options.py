@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from typing import Literal
@@ -279,6 +280,8 @@ class LoraOptions:
             raise ConfigError(f"{', '.join(given)} set LoRA's adapters: add --lora_r (their rank)")
         if not 0.0 <= self.lora_dropout < 1.0 or (self.lora_alpha is not None and not self.lora_alpha > 0):
             raise ConfigError("--lora_dropout must be in [0, 1) and --lora_alpha > 0")
+        if self.lora_r and importlib.util.find_spec("peft") is None:
+            raise ConfigError("--lora_r trains adapters with peft, which is not installed: pip install -e '.[lora]'")
         if self.lora_r and self.optimizer == "muon":
             raise ConfigError("--lora_r with --optimizer muon: Muon orthogonalises whole weight matrices, and a "
                               "LoRA run trains only low-rank factors; use AdamW (the default)")
