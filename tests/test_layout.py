@@ -77,7 +77,7 @@ SAMPLE_VALUES = {"config": None, "data_files": SYNTHETIC, "report_to": "tensorbo
                  "eval_fraction": "0.5", "model_name_or_path": "some/model", "tokenizer_name_or_path": "some/tokenizer",
                  "dataset_name": "some/dataset", "dataset_config": "default", "run_name": "a-run",
                  "eval_split": "validation", "eval_data_files": SYNTHETIC, "warmup_ratio": "0.1",
-                 "dataset_num_proc": "2"}
+                 "dataset_num_proc": "2", "lora_r": "8", "lora_alpha": "16", "lora_target_modules": "q_proj"}
 # Options that only mean something beside another one, which the recipe then gets too.
 COMPANIONS = {"eval_split": ["--dataset_name", "some/dataset"], "eval_data_files": ["--data_files", SYNTHETIC]}
 

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.quick  # launches nothing: docs/testing.md#running-the-
 
 FEATURE_RECIPES = ["ddp.py", "fsdp_full_shard.py", "deepspeed_zero3_offload.py", "fp16_scaler.py", "tensor_parallel.py",
                    "pipeline_parallel.py",
-                   "accumulate_and_clip.py"]
+                   "accumulate_and_clip.py", "lora.py"]
 
 
 def code_lines(path):
