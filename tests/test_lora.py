@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from common.config import ConfigError
 from common.data import build_tokenizer
-from conftest import (TWO_RANK_ARGS, Run, check_exact_resume, launch, launch_two_processes,
+from conftest import (CORE_DEBUG_ARGS, TWO_RANK_ARGS, Run, check_exact_resume, launch, launch_two_processes,
                       parse_train)
 from families import FAMILIES, VOCAB, save_family
 from train_extras import lora
@@ -48,6 +48,8 @@ def test_adapters_start_as_the_base_and_both_exports_give_the_trained_logits(fam
               if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in facts["target_modules"]}
     assert linear <= adapted, sorted(linear - adapted)[:5]  # no targeted linear layer left out
     assert not any(name.endswith(("lm_head", ".gate", ".router")) for name in adapted), sorted(adapted)
+    experts = [name for name, m in model.named_modules() if name.endswith(".experts")]  # fused: adapted too
+    assert all(name in adapted for name in experts) and bool(experts) == bool(facts["target_parameters"]), experts
     assert all(not p.requires_grad for name, p in model.named_parameters() if ".lora_" not in name)
     assert facts["trainable_parameters"] == sum(p.numel() for p in model.parameters() if p.requires_grad) > 0
 
@@ -84,8 +86,10 @@ def test_lora_options_are_checked_in_one_line():
 
 
 # ---- launched: one process, and two through each strategy, from the same pretrained folder ----
-LORA_ARGS = TWO_RANK_ARGS + ["--lora_r", "4", "--lr", "1e-2", "--save_every", "30", "--sample_length", "8",
-                             "--lora_merge", "true"]
+# One process: global batch 8 as 2 ranks x 4 (TWO_RANK_ARGS)
+LORA = ["--lora_r", "4", "--lr", "1e-2", "--save_every", "30", "--sample_length", "8", "--lora_merge", "true"]
+LORA_ARGS = {"cpu.yaml": CORE_DEBUG_ARGS + LORA, **{config: TWO_RANK_ARGS + LORA for config in
+                                                   ("ddp.yaml", "fsdp.yaml", "deepspeed_zero3_offload.yaml")}}
 STRATEGIES = ["ddp.yaml", "fsdp.yaml", "deepspeed_zero3_offload.yaml"]
 
 
@@ -97,7 +101,7 @@ def lora_runs(tmp_path_factory, hf_home, initial_model):
     def get(config: str) -> Run:
         if config not in runs:
             out = tmp_path_factory.mktemp(f"lora_{config.split('.')[0]}")
-            args = LORA_ARGS + ["--model_name_or_path", str(initial_model), "--output_dir", str(out)]
+            args = LORA_ARGS[config] + ["--model_name_or_path", str(initial_model), "--output_dir", str(out)]
             proc = (launch("train.py", args, hf_home) if config == "cpu.yaml"
                     else launch_two_processes("train.py", config, args, hf_home))
             runs[config] = Run(out, proc)
@@ -152,6 +156,21 @@ def test_lora_under_each_strategy_trains_as_one_process(config, lora_runs, initi
 
 def test_a_lora_run_resumes_exactly(tmp_path, hf_home, lora_runs, initial_model):
     full = lora_runs("cpu.yaml")
-    args = LORA_ARGS + ["--model_name_or_path", str(initial_model), "--output_dir", str(tmp_path),
+    args = LORA_ARGS["cpu.yaml"] + ["--model_name_or_path", str(initial_model), "--output_dir", str(tmp_path),
                         "--resume_from_checkpoint", str(full.output_dir / "checkpoints" / "step_30")]
     check_exact_resume(full, Run(tmp_path, launch("train.py", args, hf_home)), 30)
+
+
+def test_the_focused_lora_recipe_trains_adapters_and_exports_both_folders(tmp_path, hf_home, initial_model):
+    """recipes/lora.py: the baseline plus peft's get_peft_model; its two exports agree."""
+    args = CORE_DEBUG_ARGS + ["--lr", "1e-2", "--max_steps", "20", "--eval_every", "20",
+                              "--model_name_or_path", str(initial_model), "--output_dir", str(tmp_path)]
+    run = Run(tmp_path, launch("lora.py", args, hf_home))
+    evals = run.summary["eval"]
+    assert evals[-1]["loss"] < evals[0]["loss"] - 0.01
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(initial_model)
+        before = base(IDS).logits
+        adapted = PeftModel.from_pretrained(base, tmp_path / "adapter")(IDS).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "model")(IDS).logits
+    assert (adapted - merged).abs().max() < 1e-5 and (adapted - before).abs().max() > 1e-3

@@ -398,3 +398,30 @@ def test_expert_load_statistics():
     stats = moe.load_stats(slots)
     assert stats["cv"] == pytest.approx([0.0, 3 ** 0.5]) and stats["max_share"] == [0.25, 1.0]
     assert stats["min_share"] == [0.25, 0.0]
+
+
+MOE_LORA = ("--lora_r", "4", "--lr", "1e-2", "--lora_merge", "true")
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_lora_on_an_moe_adapts_attention_and_experts_under_each_strategy(config, moe_runs, moe_models):
+    """LoRA on Qwen3-MoE (train_extras/lora.py): the attention projections and the fused experts
+    (peft's mapping of gate/up/down_proj) get adapters, the router none; the 2-process runs train as
+    one process; both exports give the trained logits."""
+    from peft import PeftModel
+
+    from probes.sitecustomize import PROBE_INPUT_IDS
+
+    run, alone = moe_runs("qwen3_moe", config, *MOE_LORA), moe_runs("qwen3_moe", "cpu.yaml", *MOE_LORA)
+    lora = run.summary["model"]["lora"]
+    assert lora["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert lora["target_parameters"] == ["experts.down_proj", "experts.gate_up_proj"]
+    assert run.summary["eval"][-1]["loss"] < run.summary["eval"][0]["loss"] - 0.01
+    for mine, reference in zip(run.summary["losses"], alone.summary["losses"]):
+        assert abs(mine["loss"] - reference["loss"]) < PARITY.get(config, 0.0) + 1e-12, (mine, reference)
+    trained, ids = torch.tensor(run.final[0]["probe_logits"]), torch.tensor([PROBE_INPUT_IDS])
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(moe_models["qwen3_moe"])
+        adapted = PeftModel.from_pretrained(base, run.output_dir / "model")(ids).logits[0]
+        merged = AutoModelForCausalLM.from_pretrained(run.output_dir / "model_merged")(ids).logits[0]
+    assert (adapted - trained).abs().max() < 1e-5 and (merged - trained).abs().max() < 1e-5

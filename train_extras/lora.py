@@ -10,9 +10,10 @@ Which layers (--lora_target_modules, default `targets`): every linear layer, by 
 family gives them (q_proj, c_attn, query_key_value...), found from the model, except the output
 head, the linear children of an MoE block (its router, a shared expert's gate) and the projections
 of state-space mixers (Mamba, gated DeltaNet), whose fused kernels read weights past an adapter.
-MoE experts, which transformers 5 fuses into 3-D parameters, get adapters too: peft 0.21 maps the
-MLP names (gate_proj, up_proj, down_proj) onto the fused expert weights of the families it knows
-(its transformers v4 -> v5 conversion); the run's record lists them as target_parameters.
+An MoE's routed experts, which transformers 5 fuses into 3-D parameters (experts x out x in), get
+adapters on those parameters (peft's target_parameters, `expert_targets`); the run's record lists
+them. With --lora_target_modules given, only those names (for the MLP names of families it knows,
+peft 0.21 maps them onto the fused experts itself: its transformers v4 -> v5 conversion).
 Checked on the 15 families of tests/families.py (tests/test_lora.py).
 
 Adapters are injected in place (peft's inject_adapter_in_model): the model stays the transformers
@@ -41,8 +42,8 @@ ADAPTER = "default"  # peft's name for a model's one adapter
 
 
 def targets(model: nn.Module) -> list[str]:
-    """The layer names to adapt: those of every linear layer in the model but the output head and an MoE
-    block's own linear children (its router, a shared expert's gate)."""
+    """The layer names to adapt: those of every linear layer in the model but the output head, an MoE
+    block's own linear children (its router, a shared expert's gate) and a state-space mixer's."""
     from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers (weights stored transposed)
 
     from train_extras.moe import sparse_block_classes
@@ -59,11 +60,26 @@ def targets(model: nn.Module) -> list[str]:
                    if isinstance(module, (nn.Linear, Conv1D)) and id(module) not in skip})
 
 
+def expert_targets(model: nn.Module) -> list[str]:
+    """The routed experts' fused weights (3-D: experts x out x in), as peft's target_parameters
+    (`experts.gate_up_proj`): transformers 5 holds an MoE's experts so, not as linear layers."""
+    from train_extras.moe import sparse_block_classes
+    from train_extras.observe.flops import is_experts
+
+    sparse = tuple(sparse_block_classes(model))
+    return sorted({f"{name}.{param}" for module in model.modules() if sparse and isinstance(module, sparse)
+                   for name, child in module.named_children() if is_experts(name, child)
+                   for param, tensor in child.named_parameters(recurse=False)
+                   if len(getattr(tensor, "ds_shape", tensor.shape)) == 3})  # (ZeRO-3 partitions: ds_shape)
+
+
 def lora_config(cfg, model: nn.Module):
     from peft import LoraConfig
 
+    chosen = cfg.lora_target_modules  # given: those names alone (peft's own mapping may add experts)
     return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha or 2 * cfg.lora_r, lora_dropout=cfg.lora_dropout,
-                      target_modules=list(cfg.lora_target_modules or targets(model)), task_type="CAUSAL_LM")
+                      target_modules=list(chosen or targets(model)),
+                      target_parameters=None if chosen else expert_targets(model) or None, task_type="CAUSAL_LM")
 
 
 def apply(model: nn.Module, cfg, tensor_parallel: bool = False) -> dict | None:
@@ -133,11 +149,13 @@ def write_merged(adapter_folder: Path, model: nn.Module, state_dict: dict, out_d
 
     from common.export import check_replaceable, deepspeed_absent, mark_export
     from common.files import partial_dir, recover_dir, replace_dir
+    from train_extras.observe.flops import deepspeed_hidden
 
     recover_dir(out_dir)
     check_replaceable(out_dir)
     weights = base_state(state_dict)
-    base = type(model)._from_config(model.config)
+    with deepspeed_hidden():  # this process alone: no zero.Init (a collective) under ZeRO-3
+        base = type(model)._from_config(model.config)
     missing, unexpected = base.load_state_dict(weights, strict=False)
     tied = {n for n, _ in base.named_parameters(remove_duplicate=False)} - {n for n, _ in base.named_parameters()}
     if unexpected or set(missing) - tied:  # the export keeps one copy of a tied table, nothing else may lack

@@ -9,6 +9,7 @@ torchtitan count it, so that MFU compares with the figures they report."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 
@@ -44,21 +45,27 @@ def dimensions(config) -> dict:
 def meta_model(config) -> nn.Module:
     """The model class of a config with no memory behind its weights (the meta device): its
     structure and parameter shapes for planning and checks, in milliseconds even for 8B."""
+    with deepspeed_hidden(), torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=ships_code(config))
+
+
+@contextlib.contextmanager
+def deepspeed_hidden():
+    """Under ZeRO-3 transformers builds every model inside deepspeed.zero.Init, which partitions and
+    initialises its weights there (a collective of every rank): a model built by one process alone,
+    or on the meta device, is built with DeepSpeed's config hidden from transformers, given back
+    afterwards as accelerate set it."""
     from accelerate.state import AcceleratorState, is_initialized
 
     plugin = AcceleratorState().deepspeed_plugin if is_initialized() else None
     if plugin is None:
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, trust_remote_code=ships_code(config))
-    # Under ZeRO-3 transformers builds every model inside deepspeed.zero.Init and initialises its
-    # weights there, which a meta-device model cannot take: hide DeepSpeed's config from transformers
-    # while this one is built, then give it back as accelerate set it.
+        yield
+        return
     from transformers.integrations import unset_hf_deepspeed_config
 
     unset_hf_deepspeed_config()
     try:
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, trust_remote_code=ships_code(config))
+        yield
     finally:
         plugin.set_deepspeed_weakref()
 
