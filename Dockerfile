@@ -65,7 +65,7 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130
 RUN bash scripts/docker/install.sh torch
 
 # 2. Every other dependency, from pyproject.toml alone.
-ARG EXTRAS=deepspeed,trackers
+ARG EXTRAS=deepspeed,trackers,lora
 COPY pyproject.toml ./
 RUN bash scripts/docker/install.sh deps
 
