@@ -19,6 +19,7 @@ from common.data import build_tokenizer
 from conftest import (CORE_DEBUG_ARGS, TWO_RANK_ARGS, Run, check_exact_resume, launch, launch_two_processes,
                       parse_train)
 from families import FAMILIES, VOCAB, save_family
+from tools import plan
 from train_extras import lora
 from train_extras.options import TrainConfig
 
@@ -91,6 +92,39 @@ LORA = ["--lora_r", "4", "--lr", "1e-2", "--save_every", "30", "--sample_length"
 LORA_ARGS = {"cpu.yaml": CORE_DEBUG_ARGS + LORA, **{config: TWO_RANK_ARGS + LORA for config in
                                                    ("ddp.yaml", "fsdp.yaml", "deepspeed_zero3_offload.yaml")}}
 STRATEGIES = ["ddp.yaml", "fsdp.yaml", "deepspeed_zero3_offload.yaml"]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "falcon_h1"])
+def test_the_planner_counts_the_adapters_alone_as_trained(family, tmp_path, capsys):
+    """tools.plan --lora_r: the adapters train.py injects, counted on the meta model, are the only
+    parameters with gradients and optimizer states under every rung; the base is stored beside them."""
+    folder = save_family(family, tmp_path)
+    shape = plan.model_shape(None, str(folder), lora_r=4)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    facts = lora.apply(model, parse_train(lora_args()))
+    adapters = [p.numel() for name, p in model.named_parameters() if ".lora_" in name]
+    assert (shape.lora_params, shape.lora_largest) == (facts["trainable_parameters"], max(adapters))
+    assert shape.n_params == sum(p.numel() for p in model.parameters()) - shape.lora_params  # the base's count
+    P, A = shape.n_params, shape.lora_params
+    for rung in plan.LADDER:
+        full = plan.model_state_bytes(rung, P, 2, "bf16", shape)
+        adapted = plan.model_state_bytes(rung, P, 2, "bf16", shape, lora_params=A, lora_largest=shape.lora_largest)
+        for category in ("grads", "optimizer"):  # every gradient, master copy and moment: the adapters' alone
+            mine, theirs = (sum(s["at_step"][loc][category] for loc in ("device", "host")) for s in (adapted, full))
+            assert mine == pytest.approx(theirs * A / P, rel=1e-12), (rung.name, category)
+    single = plan.model_state_bytes(plan.SINGLE, P, 1, "bf16", shape, lora_params=A)["at_step"]["device"]
+    assert (single["params"], single["grads"], single["optimizer"]) == (4 * (P + A), 4 * A, 8 * A)
+    assert plan.main(["--model_name_or_path", str(folder), "--lora_r", "4", "--seq_len", "64"]) == 0
+    out = capsys.readouterr().out
+    assert f"--lora_r 4: {A / 1e6:.1f}M adapter parameters" in out
+    assert re.search(r"accelerate launch .* recipes/train.py .* --lora_r 4\n", out), out[-600:]
+
+
+@pytest.mark.quick
+def test_the_planner_refuses_lora_without_a_shape(capsys):
+    assert plan.main(["--params", "7e9", "--lora_r", "16"]) == 2
+    assert capsys.readouterr().err.startswith("error: --lora_r needs a positive rank and the model's shape")
 
 
 @pytest.fixture(scope="session")

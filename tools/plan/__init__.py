@@ -83,6 +83,13 @@ Where the numbers come from
   ZeRO-2 holds all bf16 parameters), full shard ~ ZeRO-3 (16/W); between steps FSDP2 here keeps
   12/W (fp32 shards + AdamW), +4/W gradients after backward. Offload rows: ZeRO-3's 16/W in CPU RAM.
 
+- --lora_r R (train.py's LoRA): the adapters its default targets get (train_extras/lora.py), injected
+  by peft into the meta model and counted, are stored beside the base and are the only parameters
+  with gradients, fp32 master copies and optimizer states, under every rung (the frameworks keep
+  those for parameters that require grad); the base's own parameter storage is unchanged.
+  Activations are probed as for full training (a frozen layer's input is still kept for the
+  adapter beside it).
+
 Assumptions (each is one named term or one line of code):
 - Parameters in flight: FSDP2 full shard holds two blocks (current + prefetched) and the tail unit
   [final norm, lm_head] that accelerate never reshards after forward (with tied embeddings the tail

@@ -26,6 +26,7 @@ class Request:
     host_memory_gb: float | None = None  # CPU RAM per machine; None: host RAM is not checked
     gpus_per_node: int | None = None  # GPUs per machine (None: 8); processes per machine = min(gpus, this)
     optimizer: str = "adamw"  # "muon": train.py's --optimizer muon (one GPU or DDP only)
+    lora_r: int | None = None  # train.py's --lora_r: the model's shape then holds its adapters' count
 
     @property
     def usable(self) -> float:
@@ -56,7 +57,9 @@ def evaluate(model: ModelShape | float, req: Request) -> list[dict]:
         if req.optimizer == "muon" and rung.framework not in MUON_FRAMEWORKS:
             continue  # train.py refuses Muon where the matrices are sharded
         states = model_state_bytes(rung, n_params, req.gpus, req.precision, shape, req.textbook, req.gpus_per_node,
-                                   muon_params=shape.muon_params if shape and req.optimizer == "muon" else 0)
+                                   muon_params=shape.muon_params if shape and req.optimizer == "muon" else 0,
+                                   lora_params=shape.lora_params if shape and req.lora_r else 0,
+                                   lora_largest=shape.lora_largest if shape and req.lora_r else 0)
         dev, tr = states["at_step"]["device"], states["transient"]
         act = (activation_bytes(shape, regime_of(rung, req.precision), req.seq_len, req.micro_batch_size,
                                 req.activation_checkpointing) if shape else None)
@@ -108,6 +111,8 @@ def launch_line(rung: Rung, req: Request, model_args: str) -> str:
     parts += ["recipes/train.py", model_args, f"--seq_len {req.seq_len}", f"--micro_batch_size {req.micro_batch_size}"]
     if req.optimizer == "muon":
         parts.append("--optimizer muon")
+    if req.lora_r:
+        parts.append(f"--lora_r {req.lora_r}")
     if req.activation_checkpointing and rung.framework != "fsdp":
         parts.append("--gradient_checkpointing")
     line = " ".join(parts)

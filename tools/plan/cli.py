@@ -41,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
                    help="train.py's --optimizer: muon keeps one fp32 state per hidden-matrix parameter, AdamW two; "
                         "Muon rungs: one GPU and DDP only (default adamw)")
+    p.add_argument("--lora_r", type=int, help="train.py's --lora_r: LoRA adapters of this rank on its default targets "
+                                              "are the only trained parameters (needs peft)")
     return p
 
 
@@ -64,6 +66,10 @@ def _check(args) -> None:
     if args.optimizer == "muon" and (args.params is not None or args.textbook):
         raise PlanError("--optimizer muon needs the model's shape (--preset or --model_name_or_path), not --params "
                         "or --textbook: it counts the hidden matrices")
+    if args.lora_r is not None and (args.lora_r <= 0 or args.params is not None or args.textbook
+                                    or args.optimizer == "muon"):
+        raise PlanError("--lora_r needs a positive rank and the model's shape (--preset or --model_name_or_path), "
+                        "without --params, --textbook or --optimizer muon (train.py refuses LoRA with Muon)")
     if args.host_memory_gb is not None and not args.host_memory_gb > 0:
         raise PlanError(f"--host_memory_gb must be positive, got {args.host_memory_gb:g}")
 
@@ -139,6 +145,10 @@ def render(model, req: Request, rows: list[dict], model_args: str) -> str:
         out.append(f"--optimizer muon: torch's Muon on the {_count(shape.muon_params)} hidden-matrix parameters (one "
                    "fp32 momentum each), AdamW on the rest (two); one-GPU and DDP rungs only (train.py refuses Muon "
                    "on sharded matrices)")
+    if req.lora_r:
+        out.append(f"--lora_r {req.lora_r}: {_count(shape.lora_params)} adapter parameters (train.py's default "
+                   "targets), the only ones with gradients and optimizer states; the base's parameters frozen, "
+                   "stored as the framework stores parameters. Activations are counted as for full training.")
     if req.textbook:
         out.append("Model states: ZeRO paper (fp16 mixed precision, Adam, K=12), not what the frameworks keep here. "
                    "FSDP2 rows are analogies (the paper has no FSDP): no reshard ~ ZeRO-2 (2 + 14/W: every "
@@ -232,12 +242,12 @@ def main(argv: list[str] | None = None) -> int:
                       seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
                       activation_checkpointing=args.activation_checkpointing, textbook=args.textbook,
                       reserve_gb=args.reserve_gb, host_memory_gb=args.host_memory_gb,
-                      gpus_per_node=args.gpus_per_node, optimizer=args.optimizer)
+                      gpus_per_node=args.gpus_per_node, optimizer=args.optimizer, lora_r=args.lora_r)
         if args.params is not None:
             model, model_args = args.params, "--model_name_or_path <MODEL>"
         else:
             preset = args.preset or ("tiny" if args.model_name_or_path is None else None)
-            model = model_shape(preset, args.model_name_or_path)
+            model = model_shape(preset, args.model_name_or_path, args.lora_r)
             model_args = (f"--model_name_or_path {args.model_name_or_path}" if args.model_name_or_path
                           else f"--preset {preset}")
             if model.max_positions is not None and args.seq_len > model.max_positions:

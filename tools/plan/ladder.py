@@ -112,6 +112,10 @@ class ModelShape:
     experts: int = 0  # routed experts per MoE layer (0: dense)
     top_k: int = 0  # of them per token
     muon_params: int = 0  # --optimizer muon's part: the hidden matrices (train_extras/muon.py); AdamW has the rest
+    # --lora_r: the adapters train.py would inject (train_extras/lora.py, counted by peft on the meta
+    # model); 0 without. The base's n_params stay frozen.
+    lora_params: int = 0
+    lora_largest: int = 0  # the largest adapter tensor (ZeRO-3's one module gradient)
 
     def flops_per_token(self, seq_len: int) -> float | None:
         """Training FLOPs per token at seq_len, as train.py's MFU counts them (flops.flops_per_token)."""
@@ -149,8 +153,10 @@ def load_config(preset: str | None = None, model_name_or_path: str | None = None
 
 
 @functools.lru_cache(maxsize=8)
-def model_shape(preset: str | None = None, model_name_or_path: str | None = None) -> ModelShape:
-    """Parameter counts and dimensions, from the real model class built on the meta device."""
+def model_shape(preset: str | None = None, model_name_or_path: str | None = None,
+                lora_r: int | None = None) -> ModelShape:
+    """Parameter counts and dimensions, from the real model class built on the meta device; with
+    lora_r, the adapters train.py's --lora_r injects into it, counted."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -215,8 +221,29 @@ def model_shape(preset: str | None = None, model_name_or_path: str | None = None
             experts=moe["experts"] if moe else 0,
             top_k=moe["top_k"] if moe else 0,
             muon_params=sum(p.numel() for p in muon.hidden_matrices(model)),
+            **(_adapters(model, lora_r) if lora_r else {}),
         )
     except AttributeError as err:  # the probe needs a Llama-like decoder's fields
         raise PlanError(f"{model_name_or_path}: not a Llama-like decoder config ({err})") from None
 
 
+
+
+def _adapters(model, lora_r: int) -> dict:
+    """The adapters train.py's --lora_r puts in this model (its default targets), injected on the meta device."""
+    from types import SimpleNamespace
+
+    import importlib.util
+
+    from common.config import ConfigError
+    from train_extras import lora
+
+    if importlib.util.find_spec("peft") is None:
+        raise PlanError("--lora_r counts the adapters with peft, which is not installed: pip install -e '.[lora]'")
+    options = SimpleNamespace(lora_r=lora_r, lora_alpha=None, lora_dropout=0.0, lora_target_modules=None)
+    try:
+        lora.apply(model, options)
+    except ConfigError as err:
+        raise PlanError(str(err)) from None
+    sizes = [p.numel() for name, p in model.named_parameters() if ".lora_" in name]
+    return {"lora_params": sum(sizes), "lora_largest": max(sizes, default=0)}

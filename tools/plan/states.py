@@ -92,7 +92,8 @@ def textbook_bytes(rung: Rung | str, n_params: float, world_size: int) -> dict:
 
 def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precision: str = "bf16",
                       shape: ModelShape | None = None, textbook: bool = False,
-                      gpus_per_node: int | None = None, muon_params: float = 0) -> dict:
+                      gpus_per_node: int | None = None, muon_params: float = 0, lora_params: float = 0,
+                      lora_largest: float = 0) -> dict:
     """Bytes PER RANK of parameters, gradients, optimizer states and framework buffers, as the
     framework of `rung` keeps them in this repo (model built in fp32; torch AdamW, DeepSpeedCPUAdam
     under ZeRO-3 offload; accelerate defaults; the DeepSpeed JSONs in accelerate_configs/).
@@ -104,6 +105,10 @@ def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precis
     min(world_size, 8)); every other rung shards over the whole world_size.
     muon_params: one GPU and DDP only: the parameters --optimizer muon gives torch's Muon (one fp32
     momentum buffer each, where AdamW keeps two); AdamW keeps the rest.
+    lora_params: train.py's --lora_r: this many adapter parameters are added to the n_params of the
+    base, stored as every parameter is, and they alone have gradients, master copies and optimizer
+    states (the frozen base has none: the frameworks keep those for parameters that require grad);
+    lora_largest: the largest adapter tensor.
 
     Returns a dict:
       rung, config, world_size, shard_group (the ranks one copy is sharded over), precision, n_params, textbook
@@ -127,6 +132,10 @@ def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precis
     if world_size < 1:
         raise PlanError(f"world size must be >= 1, got {world_size}")
     P, W = float(n_params), world_size
+    # S: every stored parameter (the base + the adapters); T: the trained ones (all, or the adapters alone)
+    S, T = P + lora_params, float(lora_params or P)
+    if lora_params and textbook:
+        raise PlanError("--textbook counts full training (the ZeRO paper's 16 bytes per parameter), not LoRA")
     if rung.hybrid:  # HSDP: FSDP2 full shard within one machine, its shards replicated across machines
         W = min(world_size, gpus_per_node or GPUS_PER_NODE)
     b = DTYPE_BYTES[precision]  # compute dtype: autocast target, FSDP2 param_dtype, DeepSpeed model dtype
@@ -139,7 +148,7 @@ def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precis
     def add_build():
         """Every rung but ZeRO-3 with zero3_init_flag: each process builds the whole model in fp32 in
         CPU RAM before accelerator.prepare moves/casts/shards it."""
-        add("fp32 model built in CPU RAM by every process (before accelerator.prepare)", "params", "init", 4 * P,
+        add("fp32 model built in CPU RAM by every process (before accelerator.prepare)", "params", "init", 4 * S,
             SRC_BUILD, "host", moment="build")
 
     if textbook:
@@ -152,19 +161,19 @@ def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precis
             "ZeRO paper", host)
     elif rung.framework in ("single", "ddp"):
         # accelerate's mixed precision for DDP/single is autocast: the weights stay fp32.
-        add("fp32 parameters", "params", "rest", 4 * P,
+        add("fp32 parameters", "params", "rest", 4 * S,
             "common/model.py build_model (fp32); accelerate/accelerator.py:1824-1835 (autocast wraps forward)",
             at_init=True)
         if muon_params:
             add("Muon momentum_buffer, fp32 (the hidden matrices)", "optimizer", "rest", 4 * muon_params,
                 "torch/optim/_muon.py _init_group: zeros_like(grad), one state per parameter")
         add("AdamW exp_avg + exp_avg_sq, fp32" + (" (embeddings, head, norms)" if muon_params else ""), "optimizer",
-            "rest", 8 * (P - muon_params), "torch/optim/adam.py _init_group: zeros_like(param) for both states")
+            "rest", 8 * (T - muon_params), "torch/optim/adam.py _init_group: zeros_like(param) for both states")
         add_build()
-        add("fp32 gradients (.grad)", "grads", "step", 4 * P,
+        add("fp32 gradients (.grad)", "grads", "step", 4 * T,
             "autograd accumulates in the parameter dtype; zero_grad(set_to_none=True) frees them")
         if rung.framework == "ddp":
-            add("DDP reducer buckets (a second fp32 copy of every gradient)", "buffers", "rest", 4 * P,
+            add("DDP reducer buckets (a second fp32 copy of every gradient)", "buffers", "rest", 4 * T,
                 "torch/nn/parallel/distributed.py:731-735 (gradient_as_bucket_view=False saves nothing); "
                 "accelerate/utils/dataclasses.py:188 (accelerate's default: False)", at_init=True)
     elif rung.framework == "deepspeed" and rung.stage in (1, 2):
@@ -172,19 +181,20 @@ def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precis
         # DeepSpeedZeroOptimizer path: bf16 + stage 1 only switches to BF16_Optimizer when
         # data_types.grad_accum_dtype is fp32 (engine.py:2305-2311, 1806-1807); the JSONs set none.
         ds = zero_settings(rung.config, shape.hidden if shape else None)
-        add(f"{precision} parameters, one flat buffer (bit16_groups_flat; model params are views)", "params",
-            "rest", b * P, f"{SRC_DS12}:509-524, 534 (_update_model_bit16_weights)", at_init=True)
+        add(f"{precision} parameters, one flat buffer (bit16_groups_flat; model params are views)"
+            + ("; the frozen base, cast, outside it" if lora_params else ""), "params",
+            "rest", b * S, f"{SRC_DS12}:509-524, 534 (_update_model_bit16_weights)", at_init=True)
         add("fp32 master partition (single_partition_of_fp32_groups; a copy even in fp32 training)",
-            "optimizer", "rest", 4 * P / W, f"{SRC_DS12}:560-577 (.clone().to(fp32))", at_init=True)
-        add("AdamW exp_avg + exp_avg_sq on the fp32 partition", "optimizer", "rest", 8 * P / W,
+            "optimizer", "rest", 4 * T / W, f"{SRC_DS12}:560-577 (.clone().to(fp32))", at_init=True)
+        add("AdamW exp_avg + exp_avg_sq on the fp32 partition", "optimizer", "rest", 8 * T / W,
             f"{SRC_DS12}:584 (the optimizer sees only the fp32 partition); {SRC_ADAM_LAZY}")
         add_build()
         # initialize_optimizer_states: a zero fp32 gradient for the master partition, dropped again at
         # its end without CPU offload. deepspeed 0.19.8 runs no optimizer step here (older versions
         # did, creating Adam's states at init): they appear at the first real step.
         add("zero fp32 gradient of the master partition (initialize_optimizer_states; freed at its end)", "grads",
-            "init", 4 * P / W, f"{SRC_DS12}:934-951 (called at :734)", moment="setup")
-        add(f"gradient partition, {precision} (grads_in_partition)", "grads", "step", b * P / W,
+            "init", 4 * T / W, f"{SRC_DS12}:934-951 (called at :734)", moment="setup")
+        add(f"gradient partition, {precision} (grads_in_partition)", "grads", "step", b * T / W,
             f"{SRC_DS12}:2184-2199 (contiguous_gradients), kept by averaged_gradients until step()")
         n_buckets = 2 if ds["overlap_comm"] else 1
         if ds["reduce_bucket_size"] is None:
@@ -196,14 +206,14 @@ def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precis
         if rung.stage == 1 and not ds["overlap_comm"]:
             # Without overlap_comm ZeRO-1 reduces once, after backward (:2284-2295, :966-983):
             # every rank holds all gradients until then.
-            add("full-size gradients until the end-of-backward reduction", "grads", "backward", b * P * (1 - 1 / W),
+            add("full-size gradients until the end-of-backward reduction", "grads", "backward", b * T * (1 - 1 / W),
                 f"{SRC_DS12}:2284-2295")
         elif rung.stage == 1 and ds["reduce_bucket_size"] is not None and shape is not None:
             # With overlap_comm gradients are reduced through the buckets as they arrive, but a
             # parameter larger than a bucket keeps its own gradient (:1443-1449), and ZeRO-1 frees
             # the other ranks' ones only at the end of backward (:2271-2273; ZeRO-2 at once, :2262-2268).
             # Measured (small preset, fp32, 2 CPU ranks): +1.15/+1.49 bytes/param over ZeRO-2.
-            large = sum(n for n in shape.param_numels if n > ds["reduce_bucket_size"])
+            large = 0 if lora_params else sum(n for n in shape.param_numels if n > ds["reduce_bucket_size"])
             add("gradients of parameters larger than a bucket, kept until the end of backward", "grads", "backward",
                 b * large * (1 - 1 / W), f"{SRC_DS12}:1443-1449, 2271-2273")
         elif rung.stage == 1:
@@ -211,37 +221,37 @@ def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precis
         # step(): flatten the partition's gradients (a copy) and cast it to fp32 (another copy
         # unless already fp32); both alive at the cast.
         add("flattened gradient partition + its fp32 copy inside step()", "grads", "optimizer_step",
-            (b + 4) * P / W if b != 4 else 4 * P / W, f"{SRC_DS12}:3108-3126")
+            (b + 4) * T / W if b != 4 else 4 * T / W, f"{SRC_DS12}:3108-3126")
     elif rung.framework == "deepspeed":  # ZeRO-3
         ds = zero_settings(rung.config, shape.hidden if shape else None)
         off = "host" if rung.offload else "device"
-        add(f"{precision} parameter partitions", "params", "rest", b * P / W,
+        add(f"{precision} parameter partitions", "params", "rest", b * S / W,
             f"{SRC_DS3}:968-973 (lp_param_buffer); offload_param: pinned CPU buffer :977-998, :888-911", off,
             at_init=True)
         # Always a separate copy, even in fp32: the reuse branch (:1162-1167) compares the partition's
         # torch.device with the device *name* string (self.device, :333), which is never equal.
         # Measured (small preset, fp32, 2 CPU ranks): 10.34 bytes/param at rest = 20.7/W.
-        add("fp32 master partition (a copy, even in fp32 training)", "optimizer", "rest", 4 * P / W,
+        add("fp32 master partition (a copy, even in fp32 training)", "optimizer", "rest", 4 * T / W,
             f"{SRC_DS3}:1156-1160, 1168-1172 (.clone())", off, at_init=True)
         add("Adam exp_avg + exp_avg_sq, fp32" + (" (DeepSpeedCPUAdam)" if rung.offload else ""), "optimizer", "rest",
-            8 * P / W, "deepspeed/ops/adam/cpu_adam.py:158-164 (created at the first step)" if rung.offload
+            8 * T / W, "deepspeed/ops/adam/cpu_adam.py:158-164 (created at the first step)" if rung.offload
             else f"torch AdamW on the fp32 partition; {SRC_ADAM_LAZY}", off)
         add(f"gradient partitions, {precision} (grad_partitions_flat_buffer, allocated once)", "grads", "rest",
-            b * P / W, f"{SRC_DS3}:789-795 (on self.device: the CPU with optimizer offload, :333; allocated after "
+            b * T / W, f"{SRC_DS3}:789-795 (on self.device: the CPU with optimizer offload, :333; allocated after "
                        "initialize_optimizer_states, :772)", off)
         if rung.offload:
-            add("fp32 gradient buffer of the CPU optimizer (pinned)", "grads", "rest", 4 * P / W,
+            add("fp32 gradient buffer of the CPU optimizer (pinned)", "grads", "rest", 4 * T / W,
                 f"{SRC_DS3}:1337-1342", "host", at_init=True)
         else:
             # step(): flatten (copy) + cast to fp32 per sub-group (sub_group_size elements at most).
-            part = min(P / W, ds["sub_group_size"])
+            part = min(T / W, ds["sub_group_size"])
             add("flattened gradient partition + its fp32 copy inside step()", "grads", "optimizer_step",
                 (b + 4) * part if b != 4 else 4 * part, f"{SRC_DS3}:2683-2694")
         # initialize_optimizer_states: an fp32 gradient buffer of the largest sub-group's partition on
         # self.device (the CPU with optimizer offload), dropped at its end (without offload the
         # sub-groups' .grad are reset to None, :1366-1368); no optimizer step in deepspeed 0.19.8.
         add("fp32 gradient buffer of the largest sub-group (initialize_optimizer_states; freed at its end)", "grads",
-            "init", 4 * min(P / W, ds["sub_group_size"]), f"{SRC_DS3}:1301-1306 (called at :772)", off,
+            "init", 4 * min(T / W, ds["sub_group_size"]), f"{SRC_DS3}:1301-1306 (called at :772)", off,
             moment="setup")
         if not zero3_init(rung.config):
             add_build()
@@ -260,20 +270,21 @@ def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precis
                 b * fetched, "deepspeed/runtime/zero/partitioned_param_coordinator.py:310-460 (fetch_sub_module, "
                              "prefetch up to stage3_prefetch_bucket_size, max_live_parameters)")
             add("one module's full gradient before its reduce-scatter", "grads", "backward",
-                b * max(shape.param_numels), f"{SRC_DS3}:2006-2050 (partition_grads)")
+                b * (lora_largest if lora_params else max(shape.param_numels)),
+                f"{SRC_DS3}:2006-2050 (partition_grads)")
     else:  # FSDP2 (HSDP: the same terms over one machine's GPUs; the all-reduce across machines runs in
         # place on the reduce-scatter output, _fsdp_collectives.py:657-662: no buffer of its own)
         off = "host" if rung.offload else "device"
         # The model is built in fp32; MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
         # (fsdp_full_shard.py, train_extras/parallel/fsdp_settings.py) only changes the all-gathered copies:
         # shards, their grads and the AdamW states stay fp32. CPUOffloadPolicy keeps all three in CPU RAM.
-        add("fp32 parameter shards (DTensor)", "params", "rest", 4 * P / W,
+        add("fp32 parameter shards (DTensor)", "params", "rest", 4 * S / W,
             f"{SRC_FSDP}/_fsdp_param.py:298-318 (padded shard in the original dtype; offload: .cpu())", off,
             at_init=True)
-        add("AdamW exp_avg + exp_avg_sq on the shards", "optimizer", "rest", 8 * P / W,
+        add("AdamW exp_avg + exp_avg_sq on the shards", "optimizer", "rest", 8 * T / W,
             f"{SRC_ADAM_LAZY} (states on the shard's device)", off)
         add_build()
-        add("fp32 gradient shards", "grads", "step", 4 * P / W,
+        add("fp32 gradient shards", "grads", "step", 4 * T / W,
             f"{SRC_FSDP}/_fsdp_collectives.py:686-710 (views of the fp32 reduce-scatter output; offload: copied to "
             "CPU)",
             off)
@@ -286,17 +297,18 @@ def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precis
                 # tied weights [final norm, embedding = lm_head]) that accelerate shards with
                 # reshard_after_forward=False: unsharded from the end of forward to the start of
                 # backward, the peak moment.
-                in_flight = 2 * shape.block_params + shape.tail_params
+                in_flight = 2 * (shape.block_params + lora_params / shape.layers) + shape.tail_params
                 why = ("two blocks (current + prefetched) + the tail [final norm, "
                        + ("tied embedding/lm_head]" if shape.tied else "lm_head]"))
             else:
-                in_flight = shape.n_params  # every unit stays gathered from its forward to its backward
+                in_flight = S  # every unit stays gathered from its forward to its backward
                 why = "every unit, held from its forward to its backward"
             add(f"all-gathered parameters in {precision}: {why}", "params", "in_flight", b * in_flight,
                 f"{SRC_FSDP}/_fsdp_param.py:630-680 (unsharded params), accelerate/utils/fsdp_utils.py:857-878")
             unit = max(shape.block_params, shape.tail_params, 0 if shape.tied else shape.embed_params)
+            unit_grads = lora_params / shape.layers if lora_params else unit  # a block's adapters
             add(f"one unit's unsharded {precision} gradients + fp32 reduce-scatter input", "grads", "backward",
-                (b + 4) * unit, f"{SRC_FSDP}/_fsdp_collectives.py:592-605")
+                (b + 4) * unit_grads, f"{SRC_FSDP}/_fsdp_collectives.py:592-605")
             # fully_shard moves each unit's fp32 parameters to the GPU whole, then shards them.
             add("one unit's fp32 parameters, moved to the GPU whole by fully_shard before it shards them", "params",
                 "init", 4 * unit, f"{SRC_FSDP}/_fsdp_init.py:369-401, 567 (_move_states_to_device)",
@@ -315,7 +327,7 @@ def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precis
 
     return dict(
         rung=rung.name, config=rung.config, world_size=world_size, shard_group=W, precision=precision, n_params=P,
-        textbook=textbook,
+        lora_params=lora_params, textbook=textbook,
         terms=terms, unknown=unknown,
         at_rest={loc: total(("rest",), loc) for loc in ("device", "host")},
         at_step={loc: total(("rest", "step"), loc) for loc in ("device", "host")},
