@@ -16,9 +16,10 @@ from transformers import AutoModelForCausalLM
 
 from common.config import ConfigError
 from common.data import build_tokenizer
-from conftest import (CORE_DEBUG_ARGS, TWO_RANK_ARGS, Run, check_exact_resume, launch, launch_two_processes,
+from conftest import (CORE_DEBUG_ARGS, SYNTHETIC, TWO_RANK_ARGS, Run, check_exact_resume, launch, launch_two_processes,
                       parse_train)
 from families import FAMILIES, VOCAB, save_family
+from synthetic import CHAT_TEMPLATE, conversations_file
 from tools import plan
 from train_extras import lora
 from train_extras.options import TrainConfig
@@ -193,6 +194,44 @@ def test_a_lora_run_resumes_exactly(tmp_path, hf_home, lora_runs, initial_model)
     args = LORA_ARGS["cpu.yaml"] + ["--model_name_or_path", str(initial_model), "--output_dir", str(tmp_path),
                         "--resume_from_checkpoint", str(full.output_dir / "checkpoints" / "step_30")]
     check_exact_resume(full, Run(tmp_path, launch("train.py", args, hf_home)), 30)
+
+
+@pytest.fixture(scope="module")
+def lora_mixture_runs(tmp_path_factory, hf_home, initial_model):
+    """LoRA on a mixture of conversations (assistant-only loss, packed with document masks) and text,
+    as 8 x 1 and as 4 x 2 micro-batches: two one-process launches."""
+    folder = tmp_path_factory.mktemp("lora_mixture")
+    (folder / "template.jinja").write_text(CHAT_TEMPLATE)
+    (folder / "mix.yaml").write_text(
+        f"sources:\n  - name: chat\n    data_files: [{conversations_file(folder, 300)}]\n    weight: 0.5\n"
+        f"  - name: prose\n    data_files: [{SYNTHETIC}]\n    weight: 0.5\n")
+    runs = {}
+    for micro, accumulation in ((8, 1), (4, 2)):
+        out = folder / f"run_{micro}x{accumulation}"
+        args = ["--seq_len", "256", "--overlong", "truncate", "--max_steps", "30", "--warmup_steps", "3",
+                "--eval_every", "30", "--log_every", "10", "--save_every", "30", "--sample_length", "0",
+                "--lora_r", "4", "--lr", "1e-2", "--data_mixture", str(folder / "mix.yaml"),
+                "--chat_template", str(folder / "template.jinja"), "--micro_batch_size", str(micro),
+                "--gradient_accumulation_steps", str(accumulation), "--model_name_or_path", str(initial_model),
+                "--output_dir", str(out)]
+        runs[accumulation] = Run(out, launch("train.py", args, hf_home))
+    return runs
+
+
+def test_lora_on_conversations_and_text_with_accumulation_trains_as_one_batch(lora_mixture_runs, initial_model):
+    alone, accumulated = lora_mixture_runs[1], lora_mixture_runs[2]
+    data = accumulated.summary["data"]
+    assert set(data["mixture"]) == {"chat", "prose"} and data["conversations"]["chat"]["kept"] > 0
+    assert set(accumulated.summary["eval"][0]["sources"]) == {"chat", "prose"}  # (chat: assistant tokens only)
+    assert accumulated.summary["model"]["lora"] == alone.summary["model"]["lora"]
+    assert len(accumulated.summary["losses"]) == len(alone.summary["losses"]) == 30
+    for mine, reference in zip(accumulated.summary["losses"], alone.summary["losses"]):  # token-normalised
+        assert mine["step"] == reference["step"] and abs(mine["loss"] - reference["loss"]) < 1e-5, (mine, reference)
+    evals = accumulated.summary["eval"]
+    assert evals[-1]["loss"] < evals[0]["loss"] - 0.01 and evals[0] == alone.summary["eval"][0]
+    saved = base_weights(accumulated.output_dir / "checkpoints" / "step_30")
+    base, initial = lora.base_state(saved), base_weights(initial_model)
+    assert all(torch.equal(base[name], initial[name]) for name in initial if name in base)
 
 
 def test_the_focused_lora_recipe_trains_adapters_and_exports_both_folders(tmp_path, hf_home, initial_model):
