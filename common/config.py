@@ -115,9 +115,11 @@ class OptimizerOptions:
     # The defaults are the quickstart's job: the lowest held-out loss on tiny Shakespeare that a
     # 2-core CPU reaches in about 3 minutes of training (measured; README "Quickstart").
     max_steps: int = opt(720, "Optimizer steps to train.")
+    # --lr and --warmup_ratio: the best of a sweep at this job's shape and nanoGPT's (benchmarks/lr_sweep.py).
     lr: float = opt(4e-3, "Peak learning rate.")
     lr_schedule: Literal["cosine", "linear", "constant", "wsd"] = opt("cosine", "LR schedule after the warmup.")
-    warmup_steps: int = opt(15, "Linear warmup, in optimizer steps.")
+    warmup_ratio: float = opt(0.02, "Linear warmup as a fraction of --max_steps (rounded to steps).")
+    warmup_steps: int | None = opt(None, "Linear warmup in optimizer steps; given, it replaces --warmup_ratio.")
     min_lr_ratio: float = opt(0.1, "Final LR as a fraction of --lr (cosine, wsd).")
     decay_fraction: float = opt(0.2, "wsd only: fraction of steps spent decaying.")
     weight_decay: float = opt(0.1, "AdamW decoupled weight decay (matrices only).")
@@ -128,6 +130,10 @@ class OptimizerOptions:
 
     def check(self):
         _positive(self, "micro_batch_size", "max_steps", "lr")
+        if not 0.0 <= self.warmup_ratio <= 1.0:
+            raise ConfigError(f"--warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
+        if self.warmup_steps is None:  # given, the steps win over the ratio
+            self.warmup_steps = round(self.warmup_ratio * self.max_steps)
         if self.warmup_steps < 0 or self.warmup_steps > self.max_steps:
             raise ConfigError(f"--warmup_steps must be in [0, max_steps={self.max_steps}], got {self.warmup_steps}")
 

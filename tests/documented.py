@@ -203,7 +203,7 @@ def cpu_form(line: DocLine, steps: list[str]) -> CpuCommand:
 
 def short_run(recipe: str, recipe_args: list[str], steps: list[str]) -> list[str]:
     """`steps` (["--max_steps", N, "--warmup_steps", W]) without the warmup when the line's --config
-    file sets a warmup ratio instead (the two are exclusive), plus few eval batches, a short sample."""
+    file sets a warmup ratio (the steps would replace it), plus few eval batches, a short sample."""
     if "--config" in recipe_args:
         options = yaml.safe_load((ROOT / recipe_args[recipe_args.index("--config") + 1]).read_text()) or {}
         if "warmup_ratio" in options:

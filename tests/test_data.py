@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from common import data
-from common.config import ConfigError, parse
+from common.config import ConfigError, OptimizerOptions, parse
 from synthetic import corpus_file, save_bos_tokenizer, synthetic_documents
 from train_extras.observe.metrics import bigram_entropy
 from train_extras.options import TrainConfig
@@ -219,7 +219,6 @@ def test_eval_data_files_are_the_held_out_set(hf_cache, tmp_path):
     (["--eval_split", "validation"], "--eval_split goes with --dataset_name"),
     (["--data_files", SYNTHETIC_FILE, "--eval_data_files", "/no/such/file.txt"], "data file not found"),
     (["--dataset_name", "d", "--eval_split", "validation", "--eval_fraction", "0.1"], "--eval_fraction cuts"),
-    (["--warmup_steps", "5", "--warmup_ratio", "0.1"], "not both"),
     (["--warmup_ratio", "1.5"], "--warmup_ratio must be in"),
     (["--eval_only"], "--eval_only evaluates --model_name_or_path or --resume_from_checkpoint"),
     (["--streaming"], "--streaming needs --data_files or --dataset_name"),
@@ -235,6 +234,12 @@ def test_fine_tuning_and_data_options_refuse_what_cannot_work(argv, message):
 def test_warmup_ratio_is_a_fraction_of_the_run():
     assert parse(TrainConfig, ["--max_steps", "10", "--warmup_ratio", "0.25"], recipe="train.py").warmup_steps == 2
     assert parse(TrainConfig, ["--max_steps", "300", "--warmup_ratio", "0.05"], recipe="train.py").warmup_steps == 15
+    steps = parse(TrainConfig, ["--max_steps", "300", "--warmup_ratio", "0.05", "--warmup_steps", "7"],
+                  recipe="train.py")
+    assert steps.warmup_steps == 7  # given, the steps win over the ratio (a config file's, or the default)
+    for max_steps in (100, 720, 5000):  # the default: a fixed share of the run, whatever its length
+        default = TrainConfig(max_steps=max_steps)
+        assert default.warmup_steps == round(OptimizerOptions.warmup_ratio * max_steps) > 0
 
 
 def stream_of(cfg, tokenizer, num_proc=None):

@@ -101,9 +101,7 @@ class CompileOptions:
 
 @dataclass
 class FineTuneOptions:
-    """Starting from a pretrained model: warmup as a fraction of the run, the export's dtype, eval only."""
-    warmup_ratio: float | None = field(
-        default=None, metadata={"help": "Warmup as a fraction of --max_steps, instead of --warmup_steps."})
+    """Starting from a pretrained model: the export's dtype, eval only."""
     export_dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
         default="auto", metadata={"help": "Weights' dtype in the exported folder; auto = the run's precision "
                                           "(bf16 run: bfloat16, fp16: float16, no mixed precision: float32)."})
@@ -112,14 +110,7 @@ class FineTuneOptions:
                                          "--resume_from_checkpoint on the held-out data, print loss and perplexity, "
                                          "and stop: no training, no export."})
 
-    def check(self):  # before OptimizerOptions' (TrainConfig.check_order): it sets warmup_steps
-        if self.warmup_ratio is not None:
-            if self.warmup_steps != OptimizerOptions.warmup_steps:  # (an explicit default cannot be told apart)
-                raise ConfigError("give --warmup_steps or --warmup_ratio, not both (a config file's warmup_ratio "
-                                  "is overridden with --warmup_ratio)")
-            if not 0.0 <= self.warmup_ratio <= 1.0:
-                raise ConfigError(f"--warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
-            self.warmup_steps = round(self.warmup_ratio * max(self.max_steps, 0))
+    def check(self):
         if self.eval_only and not (self.model_name_or_path or self.resume_from_checkpoint):
             raise ConfigError("--eval_only evaluates --model_name_or_path or --resume_from_checkpoint: give one")
 
@@ -292,7 +283,6 @@ class TrainConfig(CompileOptions, SampleOptions, TrackingOptions, CheckpointOpti
                   AccumulationOptions, MixtureOfExpertsOptions, LossOptions, MuonOptions, LoraOptions, RecipeConfig,
                   DocumentOptions, DataAtScaleOptions, FineTuneOptions):
     """Every option of train.py: --help lists the groups from the last base to the first."""
-    # FineTuneOptions' check first: it sets --warmup_steps from --warmup_ratio, which OptimizerOptions' checks.
     check_order = (FineTuneOptions, DocumentOptions, DataAtScaleOptions, ModelOptions, DataOptions, OptimizerOptions,
                    MuonOptions, LoraOptions, LossOptions, MixtureOfExpertsOptions, AccumulationOptions, Fp16Options,
                    CheckpointOptions, TrackingOptions, SampleOptions)
