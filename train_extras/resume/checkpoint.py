@@ -266,7 +266,8 @@ TRAINED_ON = ("seed", "seq_len", "preset", "model_name_or_path", "tokenizer_name
               "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
 # What a resumed run may change, applied from its first step and recorded as applied; every other
 # option changes nothing that was trained (cadences of logs, samples, trackers, timeouts, export).
-APPLIED_ON_RESUME = ("lr", "muon_lr", "lr_schedule", "warmup_steps", "warmup_ratio", "min_lr_ratio", "decay_fraction",
+# (--warmup_ratio is compared as what it sets, warmup_steps.)
+APPLIED_ON_RESUME = ("lr", "muon_lr", "lr_schedule", "warmup_steps", "min_lr_ratio", "decay_fraction",
                      "max_steps", "max_grad_norm", "eval_every", "eval_batches", "save_every", "save_total_limit",
                      "log_every")
 
