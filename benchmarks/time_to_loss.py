@@ -12,9 +12,10 @@ a user launches it (`accelerate launch recipes/train.py`, the default accelerate
 2. nanoGPT's own CPU run (its README's command: 4 layers x 128, context 64, batch 12, 2,000
    iterations, no dropout) from a nanoGPT checkout, on its split (prepare.py: the file's first 90%
    trains, the last 10% is held out), beside train.py on the same split (--txt_documents file: the
-   90% as one document; the held-out part is the same last 10%) with the same shape, as it is and
-   with BEST_NANOGPT. Target: 1.891, nanoGPT's final loss. The goal: ours there in at most half of
-   nanoGPT's wall time.
+   90% as one document; the held-out part is the same last 10%) with the same shape: with nanoGPT's
+   own schedule and AdamW (NANOGPT_SCHEDULE: like for like), with our defaults, and with
+   BEST_NANOGPT. Target: 1.891, nanoGPT's final loss. The goal: ours there in at most half of
+   nanoGPT's wall time. `--only nanogpt` (or `default`) runs one set alone.
 
 Time axis: seconds from the launch command, start-up included; the evaluations that draw our
 curves are excluded (each one's duration is its metrics.jsonl line's time minus the log line's
@@ -51,8 +52,11 @@ DEFAULT_RUNS = {"default job": [], "--compile": ["--compile"], "--optimizer muon
                 "best: " + " ".join(BEST_DEFAULT): BEST_DEFAULT}
 NANOGPT_SHAPE = ["--preset", "mini", "--seq_len", "64", "--micro_batch_size", "12", "--max_steps", "2000",
                  "--txt_documents", "file"]
-NANOGPT_RUNS = {"train.py, nanoGPT's shape": NANOGPT_SHAPE, "train.py, best: " + " ".join(BEST_NANOGPT):
-                NANOGPT_SHAPE + BEST_NANOGPT}
+# nanoGPT's config/train_shakespeare_char.py: its peak and final lr, warmup and AdamW beta2 (the rest equals ours).
+NANOGPT_SCHEDULE = ["--lr", "1e-3", "--warmup_steps", "100", "--min_lr_ratio", "0.1", "--adam_beta2", "0.99"]
+NANOGPT_RUNS = {"train.py, nanoGPT's shape and schedule": NANOGPT_SHAPE + NANOGPT_SCHEDULE,
+                "train.py, nanoGPT's shape, our defaults": NANOGPT_SHAPE,
+                "train.py, best: " + " ".join(BEST_NANOGPT): NANOGPT_SHAPE + BEST_NANOGPT}
 # nanoGPT's README, "I only have a macbook": its CPU run of train_shakespeare_char.py.
 NANOGPT_COMMAND = ["train.py", "config/train_shakespeare_char.py", "--device=cpu", "--compile=False",
                    "--eval_iters=20", "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4",
@@ -158,16 +162,19 @@ def report(args, default_runs: dict, split_runs: dict, rounds: int) -> None:
     """The table, plot and results.json of the rounds done so far."""
     header = ["run", "seconds to target, min / median / max", "wall s (median)", "final loss (median)",
               "tokens"]
-    rows = [["**default job, target 1.7319**", "", "", "", ""], *table_rows(default_runs, DEFAULT_TARGET)]
-    commit = None
-    if args.nanogpt:
+    rows, parts, commit = [], {}, None
+    if default_runs:
+        rows += [["**default job, target 1.7319**", "", "", "", ""], *table_rows(default_runs, DEFAULT_TARGET)]
+        parts["default job"] = (default_runs, DEFAULT_TARGET)
+    if "nanoGPT" in split_runs:
         commit = subprocess.run(["git", "-C", str(args.nanogpt), "rev-parse", "HEAD"], capture_output=True,
                                 text=True).stdout.strip() or "unknown"
-    rows += [["**nanoGPT's CPU run and split, target 1.891**", "", "", "", ""],
-             *table_rows(split_runs, NANOGPT_TARGET)]
+    if split_runs:
+        rows += [["**nanoGPT's CPU run and split, target 1.891**", "", "", "", ""],
+                 *table_rows(split_runs, NANOGPT_TARGET)]
+        parts["nanoGPT's CPU run"] = (split_runs, NANOGPT_TARGET)
     args.out.mkdir(parents=True, exist_ok=True)
-    plot({"default job": (default_runs, DEFAULT_TARGET), "nanoGPT's CPU run": (split_runs, NANOGPT_TARGET)},
-         args.out / "time_to_loss.png")
+    plot(parts, args.out / "time_to_loss.png")
     notes = [f"{rounds} of {args.repeats} interleaved rounds; each round runs every row once, in this order.",
              "Seconds: from the launch command to the end of the first eval at or below the target, start-up "
              "included, our evaluations excluded (see the script's docstring); wall: the whole launch, evals "
@@ -183,19 +190,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nanogpt", type=Path, help="a nanoGPT checkout (git clone); without it part 2 is skipped")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", choices=("default", "nanogpt"), help="run one of the two sets alone")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / f"time-to-loss-{date.today()}")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="time_to_loss_"))
-    default_runs = {name: [] for name in DEFAULT_RUNS}
-    split_runs = {name: [] for name in (["nanoGPT"] if args.nanogpt else []) + list(NANOGPT_RUNS)}
+    default_runs = {name: [] for name in DEFAULT_RUNS if args.only != "nanogpt"}
+    split_runs = {name: [] for name in (["nanoGPT"] if args.nanogpt else []) + list(NANOGPT_RUNS)
+                  if args.only != "default"}
     for repeat in range(args.repeats):
-        for i, (name, run_args) in enumerate(DEFAULT_RUNS.items()):
+        for i, (name, run_args) in enumerate((n, DEFAULT_RUNS[n]) for n in default_runs):
             default_runs[name].append(ours(run_args, work / f"default{i}", eval_every=30))
             print(f"round {repeat + 1}, {name}: {time_to(default_runs[name][-1]['curve'], DEFAULT_TARGET)} s",
                   flush=True)
-        if args.nanogpt:
+        if "nanoGPT" in split_runs:
             split_runs["nanoGPT"].append(nanogpt(args.nanogpt, work / "nanogpt"))
-        for i, (name, run_args) in enumerate(NANOGPT_RUNS.items()):
+        for i, (name, run_args) in enumerate((n, NANOGPT_RUNS[n]) for n in split_runs if n != "nanoGPT"):
             split_runs[name].append(ours(run_args, work / f"split{i}", eval_every=50))
         print(f"round {repeat + 1}: " + ", ".join(f"{n} {time_to(r[-1]['curve'], NANOGPT_TARGET)} s"
                                                   for n, r in split_runs.items()), flush=True)

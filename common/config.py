@@ -115,10 +115,10 @@ class OptimizerOptions:
     # The defaults are the quickstart's job: the lowest held-out loss on tiny Shakespeare that a
     # 2-core CPU reaches in about 3 minutes of training (measured; README "Quickstart").
     max_steps: int = opt(720, "Optimizer steps to train.")
-    # --lr and --warmup_ratio: the best of a sweep at this job's shape and nanoGPT's (benchmarks/lr_sweep.py).
+    # --lr and --warmup_ratio: from a sweep at this job's shape and nanoGPT's (benchmarks/lr_sweep.py).
     lr: float = opt(4e-3, "Peak learning rate.")
     lr_schedule: Literal["cosine", "linear", "constant", "wsd"] = opt("cosine", "LR schedule after the warmup.")
-    warmup_ratio: float = opt(0.02, "Linear warmup as a fraction of --max_steps (rounded to steps).")
+    warmup_ratio: float = opt(0.1, "Linear warmup as a fraction of --max_steps (rounded to steps).")
     warmup_steps: int | None = opt(None, "Linear warmup in optimizer steps; given, it replaces --warmup_ratio.")
     min_lr_ratio: float = opt(0.1, "Final LR as a fraction of --lr (cosine, wsd).")
     decay_fraction: float = opt(0.2, "wsd only: fraction of steps spent decaying.")
