@@ -8,7 +8,7 @@ a user launches it (`accelerate launch recipes/train.py`, the default accelerate
 
 1. The default job (mini, 16 x 256, tiny Shakespeare): as it is, with --compile, with
    --optimizer muon, and BEST_DEFAULT, the fastest combination the sweep found. Target: 1.7319,
-   the default job's final held-out loss.
+   the default job's final held-out loss when its warmup was 15 steps (before benchmarks/lr_sweep.py).
 2. nanoGPT's own CPU run (its README's command: 4 layers x 128, context 64, batch 12, 2,000
    iterations, no dropout) from a nanoGPT checkout, on its split (prepare.py: the file's first 90%
    trains, the last 10% is held out), beside train.py on the same split (--txt_documents file: the
