@@ -168,19 +168,21 @@ def build_scheduler(optimizer, cfg):
 
 
 @torch.no_grad()
-def evaluate(model, eval_loader, accelerator, max_batches: int = 0) -> dict:
+def evaluate(model, eval_loader, accelerator, max_batches: int = 0, loss=None) -> dict:
     """Token-weighted mean loss over the held-out blocks, across all ranks, each block counted once:
     (sample index, loss sum, target tokens) per sequence are gathered and summed over distinct
     indices, which drops the rows accelerate repeats to even out the last batch and, under TP, the
     identical rows of a TP group (gather_for_metrics' trimming was measured 1e-3 off there). One
-    CPU-GPU sync at the end, none per batch."""
+    CPU-GPU sync at the end, none per batch. `loss`: causal_lm_loss's stand-in (train.py's chunked
+    loss, which never holds the whole vocabulary's logits); default causal_lm_loss."""
+    loss = loss or causal_lm_loss
     model.eval()
     rows = []
     for i, batch in enumerate(eval_loader):
         if max_batches and i >= max_batches:
             break
         labels, positions = batch["labels"], batch.get("position_ids")
-        per_token = causal_lm_loss(model, batch["input_ids"], labels, "none", positions).view(labels.shape)
+        per_token = loss(model, batch["input_ids"], labels, "none", positions).view(labels.shape)
         per_seq = torch.stack([batch["index"].to(per_token.device).double(), per_token.sum(1).double(),
                                (labels != -100).sum(1).double()], dim=1)
         rows.append(accelerator.gather(per_seq))

@@ -90,7 +90,8 @@ def main(argv=None):
     run.saved["run_id"] = checkpoint.run_id(cfg, resume_path, resume_meta, accelerator)
     start = restore(run, record, resume_path, resume_meta)
     if cfg.eval_only:  # the model as it is, on the held-out data: nothing trains or is saved
-        result = assemble.evaluate(run.model, run.eval_loaders, accelerator, cfg.eval_batches)
+        result = assemble.evaluate(run.model, run.eval_loaders, accelerator, cfg.eval_batches,
+                                   loss=chunked_loss.loss_of(run.loss_head))
         record.evaluated_only(start.step, result)
         return end(accelerator)
 
@@ -545,7 +546,7 @@ def evaluate(run: Run, record: RunRecord, step: int, watch) -> str | None:
     part-result is not recorded, or "sample"), else None."""
     cfg = run.cfg
     result = assemble.evaluate(run.model, run.eval_loaders, run.accelerator, cfg.eval_batches,
-                               watch.stop_check(run.accelerator))
+                               watch.stop_check(run.accelerator), chunked_loss.loss_of(run.loss_head))
     if result is None:
         return "eval"
     record.eval(step, result)

@@ -15,6 +15,7 @@ import json
 import pytest
 import torch
 from accelerate import Accelerator
+from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import DEBUG_ARGS, launch, launch_two_processes, parse_train, read_summary
 from transformers import (AutoModelForCausalLM, Gemma2Config, GPT2Config, LlamaConfig, MixtralConfig,
                           Qwen2Config)
@@ -141,6 +142,47 @@ def test_chunked_loss_equals_the_plain_loss(family, chunk):
     # outside a loss call the head is the plain head (sampling, export, evaluation)
     with torch.no_grad():
         assert model(input_ids=ids).logits.shape == (3, 41, 300)
+
+
+class WidestLogits(TorchDispatchMode):
+    """The most rows of any tensor computed whose last dimension is the vocabulary's (logits)."""
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.rows = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view:  # (the head's weight transposed is no logits)
+            return out
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor) and tensor.dim() >= 2 and tensor.shape[-1] == self.vocab:
+                self.rows = max(self.rows, tensor.numel() // self.vocab)
+        return out
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_evaluation_takes_the_chunked_loss_and_never_holds_a_whole_batch_of_logits(family):
+    """--loss_chunk_size also bounds the held-out loss's logits (train.py passes loss_of(head) to the
+    evaluation): the same loss, and no tensor of more than one chunk's rows of vocabulary width."""
+    model = build(family)
+    generator = torch.Generator().manual_seed(5)
+    batches = []
+    for i in range(3):
+        ids = torch.randint(0, 300, (2, 33), generator=generator)
+        labels = ids[:, 1:].clone()
+        labels[:, :4] = -100
+        batches.append({"input_ids": ids[:, :-1], "labels": labels, "index": torch.tensor([2 * i, 2 * i + 1])})
+    accelerator = Accelerator(cpu=True)
+    with WidestLogits(300) as plain_width:
+        plain = modeling.evaluate(model, batches, accelerator)
+    head = chunked_loss.install(model, 16)
+    with WidestLogits(300) as chunked_width:
+        chunked = modeling.evaluate(model, batches, accelerator, loss=chunked_loss.loss_of(head))
+    assert chunked["tokens"] == plain["tokens"] == 3 * 2 * 28
+    assert abs(chunked["loss"] - plain["loss"]) <= 1e-6
+    assert plain_width.rows == 2 * 32 and chunked_width.rows == 16  # a batch's logits; one chunk's
+    assert chunked_loss.loss_of(None) is modeling.causal_lm_loss
 
 
 @pytest.mark.quick

@@ -9,7 +9,8 @@ checkpointing: forward keeps one chunk's logits at a time and saves only the hid
 backward recomputes each chunk's logits for its gradient. Same value and gradients as the plain
 loss (the head's matmul is done once more per chunk: ~1/3 more head compute).
 
-Outside a loss call (sampling, export, evaluation through common/model.py) the head is the
+Evaluation takes the same path (`loss_of`: the held-out loss is the same number, and the logits of
+a whole batch never exist there either). Outside a loss call (sampling, export) the head is the
 plain head: it returns logits.
 """
 
@@ -87,6 +88,12 @@ def loss_and_output(model, head, input_ids, labels, reduction: str, position_ids
 def causal_lm_loss(model, head, input_ids, labels, reduction: str = "mean", position_ids=None):
     """common/model.py's causal_lm_loss (same reductions), chunked when `head` is installed."""
     return loss_and_output(model, head, input_ids, labels, reduction, position_ids)[0]
+
+
+def loss_of(head):
+    """common/model.py's causal_lm_loss signature (model, input_ids, labels, reduction, position_ids)
+    for its evaluate: chunked when `head` is installed, so an eval never holds the whole logits either."""
+    return modeling.causal_lm_loss if head is None else (lambda model, *args: causal_lm_loss(model, head, *args))
 
 
 def reduce(losses: torch.Tensor, labels: torch.Tensor, reduction: str) -> torch.Tensor:

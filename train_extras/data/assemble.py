@@ -154,15 +154,15 @@ class _UntilStopped:
             yield batch
 
 
-def evaluate(model, loaders: dict, accelerator, max_batches: int = 0, stop=None) -> dict | None:
+def evaluate(model, loaders: dict, accelerator, max_batches: int = 0, stop=None, loss=None) -> dict | None:
     """common.model.evaluate on each source's held-out loader; the mixture's loss is their token mean.
     One source ({"": loader}): its result as it is. `stop` (train.py: a preemption): True ends the
     eval within STOP_CHECK_EVERY batches, with no result (None): the loss of a part of the held-out
-    set is not the held-out loss."""
+    set is not the held-out loss. `loss`: common.model.evaluate's."""
     scores = {}
     for name, loader in loaders.items():
         batches = _UntilStopped(loader, stop) if stop is not None else loader
-        scores[name] = modeling.evaluate(model, batches, accelerator, max_batches)
+        scores[name] = modeling.evaluate(model, batches, accelerator, max_batches, loss)
         if stop is not None and batches.stopped:
             return None
     if list(scores) == [""]:
