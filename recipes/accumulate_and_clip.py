@@ -35,7 +35,7 @@ import torch
 # End new
 from accelerate import Accelerator
 # New: accumulation that syncs on a micro-batch count (not at epoch ends).
-from accelerate.utils import DistributedType, GradientAccumulationPlugin, set_seed
+from accelerate.utils import DistributedType, GradientAccumulationPlugin, parse_flag_from_env, set_seed
 # End new
 from tqdm.auto import tqdm
 
@@ -68,7 +68,10 @@ def main(argv=None):
     # stepped by us once per optimizer step (accelerate would step it world_size times).
     # New: every strategy; accumulation counted in micro-batches, so an epoch boundary inside an
     # accumulation window does not force an early optimizer step.
-    plugin = GradientAccumulationPlugin(num_steps=cfg.gradient_accumulation_steps, sync_with_dataloader=False)
+    # Under FSDP2, gradients are reduce-scattered every micro-batch: each rank keeps a shard's gradient
+    # between micro-batches, not the whole model's unsharded one (no_sync's way, one reduction a step).
+    plugin = GradientAccumulationPlugin(num_steps=cfg.gradient_accumulation_steps, sync_with_dataloader=False,
+                                        sync_each_batch=parse_flag_from_env("ACCELERATE_USE_FSDP"))
     accelerator = Accelerator(step_scheduler_with_optimizer=False, gradient_accumulation_plugin=plugin)
     guard.check_launch(accelerator, Path(__file__).name, supports=("single", "ddp", "fsdp", "deepspeed"))
     if accelerator.distributed_type == DistributedType.DEEPSPEED:  # DeepSpeed clips inside its own step

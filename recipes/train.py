@@ -132,17 +132,21 @@ def configure(argv):
 
 def build_accelerator(cfg) -> Accelerator:
     """The Accelerator of the launch config, checked against what the config asked for."""
+    # FSDP2's shard unit and policies (None unless the launch config asks for FSDP)
+    fsdp_plugin = fsdp_settings.plugin(modeling.model_config(cfg))
+    if fsdp_plugin is None and not cfg.fsdp_sync_each_batch:
+        raise config.ConfigError("--fsdp_sync_each_batch false is an FSDP2 setting: this launch is not FSDP")
     # Sync on a count of micro-batches, not at the end of the dataloader: an epoch boundary in
-    # the middle of an accumulation window must not trigger an early optimizer step.
-    plugin = GradientAccumulationPlugin(num_steps=cfg.gradient_accumulation_steps,
-                                        sync_with_dataloader=False)
+    # the middle of an accumulation window must not trigger an early optimizer step. FSDP2:
+    # reduce-scatter every micro-batch (a shard's gradient, not the model's, between them).
+    plugin = GradientAccumulationPlugin(num_steps=cfg.gradient_accumulation_steps, sync_with_dataloader=False,
+                                        sync_each_batch=fsdp_plugin is not None and cfg.fsdp_sync_each_batch)
     accelerator = Accelerator(
         gradient_accumulation_plugin=plugin,
         # We step the LR schedule ourselves, once per optimizer step (accelerate would step it
         # once per process per optimizer step: world_size times too fast for a schedule in steps).
         step_scheduler_with_optimizer=False,
-        # FSDP2's shard unit and policies (None unless the launch config asks for FSDP)
-        fsdp_plugin=fsdp_settings.plugin(modeling.model_config(cfg)),
+        fsdp_plugin=fsdp_plugin,
         log_with=cfg.report_to or None,  # trackers see redacted options (observe/tracking.py)
         project_dir=cfg.output_dir,
         kwargs_handlers=[

@@ -12,7 +12,9 @@ from safetensors.torch import load_file
 from train_extras.options import TrainConfig
 from common.data import build_datasets, build_tokenizer
 from common.model import build_model, causal_lm_loss
-from conftest import SYNTHETIC, Run, launch, launch_two_processes
+from common.config import ConfigError
+from tools import plan
+from conftest import SYNTHETIC, TWO_RANK_ARGS, Run, launch, launch_two_processes, load_recipe, parse_train
 
 MAX_GRAD_NORM = 0.05  # below every pre-clip norm of these steps: clipping is active in each
 
@@ -62,7 +64,8 @@ def accumulation_runs(tmp_path_factory, hf_home, initial_tiny):
                 proc = launch("accumulate_and_clip.py", args, hf_home)
             else:  # (under DDP the probes also count the gradient buckets each micro-step all-reduces)
                 proc = launch_two_processes("accumulate_and_clip.py", config, args, hf_home,
-                                            env={"ACCELERATE_RECIPES_PROBE_DDP_BUCKETS": "1"})
+                                            env={"ACCELERATE_RECIPES_PROBE_DDP_BUCKETS": "1",
+                                                 "ACCELERATE_RECIPES_PROBE_GRADIENT_BYTES": "1"})
             runs[name] = Run(out, proc)
         return runs[name]
 
@@ -105,6 +108,54 @@ def test_ddp_syncs_only_on_the_last_micro_batch(accumulation_runs):
     # ...and together they carry every gradient element exactly once (the tiny preset fits DDP's
     # default bucket, so this is one bucket here)
     assert sum(numel for _, numel in last) == run.parameters_per_rank[0]["global_numel"]
+
+
+# ---- FSDP2: the gradient held between micro-batches is a shard's, not the whole model's ----
+@pytest.fixture(scope="module")
+def fsdp_accumulation_runs(tmp_path_factory, hf_home, initial_model):
+    """train.py under fsdp.yaml as the pair run "train.py/fsdp.yaml" (2 ranks x 4 sequences), but
+    as 2 micro-batches of 2: by default, and (6 steps: the warmup) with --fsdp_sync_each_batch false."""
+    runs = {}
+    for sync, steps in (("true", []), ("false", ["--max_steps", "6", "--eval_every", "0", "--save_model", "false"])):
+        out = tmp_path_factory.mktemp(f"fsdp_accumulation_{sync}")
+        args = TWO_RANK_ARGS + ["--save_every", "30", "--sample_length", "8", "--model_name_or_path",
+                                str(initial_model), "--micro_batch_size", "2", "--gradient_accumulation_steps", "2",
+                                *(["--fsdp_sync_each_batch", "false"] if sync == "false" else []), *steps,
+                                "--output_dir", str(out)]
+        runs[sync] = Run(out, launch_two_processes("train.py", "fsdp.yaml", args, hf_home,
+                                                   env={"ACCELERATE_RECIPES_PROBE_GRADIENT_BYTES": "1"}))
+    return runs
+
+
+def test_fsdp2_accumulation_holds_a_shard_of_the_gradient_between_micro_batches(fsdp_accumulation_runs,
+                                                                                two_process_runs, accumulation_runs):
+    sharded, whole = fsdp_accumulation_runs["true"], fsdp_accumulation_runs["false"]
+    fp32_gradient = 4 * sharded.parameters_per_rank[0]["global_numel"]  # the whole model's, in bytes
+    for rank in sharded.probed("gradient_bytes"):  # after each of the first step's 2 backwards
+        assert [r["sync"] for r in rank] == [False, True]
+        assert all(r["unsharded_accumulated"] == 0 and 0 < r["grad"] <= fp32_gradient / 2 * 1.01 for r in rank)
+    for rank in whole.probed("gradient_bytes"):  # the way before: no sync, every unsharded gradient kept
+        assert rank[0] == {"sync": False, "grad": 0, "unsharded_accumulated": fp32_gradient}
+    planned = plan.model_state_bytes("fsdp.yaml", fp32_gradient / 4, 2, "fp32", fsdp_whole_gradients=True)
+    assert [t["bytes"] for t in planned["terms"] if "kept between micro-batches" in t["name"]] == [fp32_gradient]
+    for rank in accumulation_runs("FSDP2, 1 x 4 x 2 ranks").probed("gradient_bytes"):  # the focused recipe too
+        assert len(rank) == 4 and all(r["unsharded_accumulated"] == 0 for r in rank)
+    # the same losses: as one micro-batch of 4 (the pair run; the sums split in two and reduce-scattered
+    # twice: 1.2e-5 apart at most in 60 steps, measured), and as syncing once per step
+    reference = two_process_runs("train.py/fsdp.yaml").summary["losses"]
+    assert len(sharded.summary["losses"]) == len(reference) == 60
+    for mine, ref in zip(sharded.summary["losses"], reference):
+        assert mine["step"] == ref["step"] and abs(mine["loss"] - ref["loss"]) < 5e-5, (mine, ref)
+    for mine, ref in zip(whole.summary["losses"], sharded.summary["losses"][:6], strict=False):
+        assert mine["step"] == ref["step"] and abs(mine["loss"] - ref["loss"]) < 1e-5, (mine, ref)
+    assert len(whole.summary["losses"]) == 6
+
+
+@pytest.mark.quick
+def test_fsdp_sync_each_batch_false_outside_fsdp_is_refused(monkeypatch):
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)  # this process: launched by no FSDP config
+    with pytest.raises(ConfigError, match="--fsdp_sync_each_batch false is an FSDP2 setting: this launch is not"):
+        load_recipe("train").build_accelerator(parse_train(["--fsdp_sync_each_batch", "false"]))
 
 
 @pytest.mark.quick

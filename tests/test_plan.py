@@ -157,6 +157,26 @@ def test_more_gpus_never_increase_per_gpu_model_states(with_shape):
 
 
 @pytest.mark.quick
+def test_fsdp_accumulation_holds_a_shard_unless_sync_each_batch_is_off(capsys):
+    """train.py reduce-scatters every micro-batch under FSDP2 (--fsdp_sync_each_batch, default true):
+    accumulation then changes no rung's memory; false keeps the whole fp32 gradient on every GPU."""
+    shape = plan.model_shape("tiny")
+    one = {r["rung"].name: r for r in plan.evaluate(shape, plan.Request(gpus=8))}
+    sharded = {r["rung"].name: r for r in plan.evaluate(shape, plan.Request(gpus=8, gradient_accumulation_steps=4))}
+    whole = {r["rung"].name: r for r in plan.evaluate(shape, plan.Request(
+        gpus=8, gradient_accumulation_steps=4, fsdp_sync_each_batch=False))}
+    assert any(r.framework == "fsdp" for r in plan.LADDER)
+    for rung in plan.LADDER:
+        assert sharded[rung.name]["peak"] == one[rung.name]["peak"]
+        extra = whole[rung.name]["columns"]["grads"] - one[rung.name]["columns"]["grads"]
+        assert extra == (4 * shape.n_params if rung.framework == "fsdp" else 0), rung.name
+    assert plan.main(["--preset", "tiny", "--gpus", "2", "--gpu_memory_gb", "4", "--gradient_accumulation_steps", "4",
+                      "--fsdp_sync_each_batch", "false"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("accelerate launch")]
+    assert lines and all("--gradient_accumulation_steps 4" in line for line in lines)
+
+
+@pytest.mark.quick
 def test_hsdp_holds_per_gpu_what_full_shard_over_one_machine_holds():
     """HSDP on 2 machines x 8 GPUs: the 8 GPUs of each machine shard one copy, so per GPU it is FSDP2
     full shard with W = 8, not 16 (its all-reduce across machines runs in place: no term of its own)."""

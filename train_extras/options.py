@@ -245,6 +245,15 @@ class LossOptions:
 
 
 @dataclass
+class ShardedAccumulationOptions:
+    fsdp_sync_each_batch: bool = field(
+        default=True, metadata={"help": "FSDP2 with --gradient_accumulation_steps > 1: reduce-scatter the gradients "
+                                        "after every micro-batch, so each rank holds a shard's gradient. false: once "
+                                        "per step (less communication), holding the whole model's unsharded fp32 "
+                                        "gradient between micro-batches."})
+
+
+@dataclass
 class LoraOptions:
     """Low-rank adapters (train_extras/lora.py): the base model frozen, only the adapters trained."""
     lora_r: int = field(
@@ -280,7 +289,8 @@ class LoraOptions:
 
 @dataclass
 class TrainConfig(CompileOptions, SampleOptions, TrackingOptions, CheckpointOptions, Fp16Options,
-                  AccumulationOptions, MixtureOfExpertsOptions, LossOptions, MuonOptions, LoraOptions, RecipeConfig,
+                  AccumulationOptions, ShardedAccumulationOptions, MixtureOfExpertsOptions, LossOptions, MuonOptions,
+                  LoraOptions, RecipeConfig,
                   DocumentOptions, DataAtScaleOptions, FineTuneOptions):
     """Every option of train.py: --help lists the groups from the last base to the first."""
     check_order = (FineTuneOptions, DocumentOptions, DataAtScaleOptions, ModelOptions, DataOptions, OptimizerOptions,

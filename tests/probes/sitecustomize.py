@@ -8,6 +8,9 @@ With ACCELERATE_RECIPES_PROBE_DIR set, each rank appends JSON lines to <dir>/ran
   {"memory": {...}}          memory in use before the model is built and around the second step
   {"ddp_buckets": [...]}     DDP gradient buckets all-reduced per micro-step of the first optimizer
                              step (ACCELERATE_RECIPES_PROBE_DDP_BUCKETS=1)
+  {"gradient_bytes": {...}}  after each backward of the first optimizer step, the gradient bytes this
+                             rank holds, sharded and (FSDP2, sync off) unsharded
+                             (ACCELERATE_RECIPES_PROBE_GRADIENT_BYTES=1)
   {"applied_gradient": {...}} with a GradScaler (fp16), per optimizer step: the norm of the gradient
                              the optimizer really applies (unscaled, clipped), or that it skipped it
   {"final": {...}}           at end_training: peak memory, what the strategy built, parameter sharding, optimizer
@@ -115,6 +118,9 @@ def _install_probes():
         buckets = os.environ.get("ACCELERATE_RECIPES_PROBE_DDP_BUCKETS") == "1"
         if buckets and hasattr(_seen["model"], "register_comm_hook"):
             _count_ddp_buckets(_seen["model"])
+        if os.environ.get("ACCELERATE_RECIPES_PROBE_GRADIENT_BYTES") == "1" and not _seen.get("gradient_bytes"):
+            _seen["gradient_bytes"] = True
+            _record_gradient_bytes()
         if getattr(_seen["optimizer"], "scaler", None) is not None and not _seen.get("applied_gradient"):
             _seen["applied_gradient"] = True
             _record_applied_gradients(_seen["optimizer"].optimizer)
@@ -251,6 +257,41 @@ def _count_ddp_buckets(model):
         if _seen["optimizer_steps"] == 0:
             record("ddp_buckets", list(reduced))
         reduced.clear()
+        return out
+
+    Accelerator.backward = probed_backward
+
+
+def _record_gradient_bytes():
+    """After each backward of the first optimizer step, the bytes of gradient this rank holds: its
+    parameters' .grad (a DTensor's local shard) and, under FSDP2, the unsharded gradients it keeps
+    accumulating between micro-batches while gradient sync is off (an FSDPParam's unsharded
+    parameter's .grad, or its unsharded_accumulated_grad when that is kept in the reduce dtype)."""
+    from accelerate import Accelerator
+
+    backward = Accelerator.backward
+
+    def held(model) -> dict:
+        sharded = unsharded = 0
+        for p in model.parameters():
+            if p.grad is not None:
+                local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                sharded += local.numel() * local.element_size()
+        groups = {}  # (fully_shard([norm, lm_head]) gives both modules one state: each group once)
+        for module in model.modules():
+            state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+            groups |= {id(group): group for group in getattr(state, "_fsdp_param_groups", None) or []}
+        for group in groups.values():
+            for fsdp_param in group.fsdp_params:  # (in the reduce dtype, or as autograd left it)
+                plain = getattr(getattr(fsdp_param, "_unsharded_param", None), "grad", None)
+                for grad in (fsdp_param.unsharded_accumulated_grad, plain):
+                    unsharded += 0 if grad is None else grad.numel() * grad.element_size()
+        return {"grad": sharded, "unsharded_accumulated": unsharded}
+
+    def probed_backward(self, loss, **kwargs):
+        out = backward(self, loss, **kwargs)
+        if _seen["optimizer_steps"] == 0 and _seen["model"] is not None:
+            record("gradient_bytes", {"sync": self.sync_gradients, **held(_seen["model"])})
         return out
 
     Accelerator.backward = probed_backward

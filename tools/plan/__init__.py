@@ -97,8 +97,11 @@ Assumptions (each is one named term or one line of code):
   ZeRO-3 holds the largest module plus stage3_prefetch_bucket_size elements (max_live_parameters
   caps it). DDP/single under autocast keep a bf16 copy of every weight until its backward (measured).
 - DeepSpeed bucket sizes come from the JSONs in accelerate_configs/ ("auto" = accelerate's fill).
-- gradient_accumulation_steps 1: with accumulation ZeRO-1 keeps full-size gradients between
-  micro-batches (+2 bytes/parameter in bf16); not modelled.
+- --gradient_accumulation_steps: FSDP2 under train.py reduce-scatters every micro-batch (its
+  --fsdp_sync_each_batch, default true), so accumulation adds nothing there; with
+  --fsdp_sync_each_batch false every GPU keeps the whole unsharded fp32 gradient between
+  micro-batches (+4 bytes per trained parameter, counted; measured on 2 CPU ranks: exactly that).
+  ZeRO-1 keeps full-size gradients between micro-batches (+2 bytes/parameter in bf16): not modelled.
 - fp16 is probed as bf16 (same sizes); a non-Llama config is probed as a Llama block of its dims.
 
 Layout: ladder.py (rungs, model shape), states.py (model-state formulas), activations.py (the

@@ -27,6 +27,8 @@ class Request:
     gpus_per_node: int | None = None  # GPUs per machine (None: 8); processes per machine = min(gpus, this)
     optimizer: str = "adamw"  # "muon": train.py's --optimizer muon (one GPU or DDP only)
     lora_r: int | None = None  # train.py's --lora_r: the model's shape then holds its adapters' count
+    gradient_accumulation_steps: int = 1
+    fsdp_sync_each_batch: bool = True  # train.py's: False keeps FSDP2's whole gradient between micro-batches
 
     @property
     def usable(self) -> float:
@@ -59,7 +61,9 @@ def evaluate(model: ModelShape | float, req: Request) -> list[dict]:
         states = model_state_bytes(rung, n_params, req.gpus, req.precision, shape, req.textbook, req.gpus_per_node,
                                    muon_params=shape.muon_params if shape and req.optimizer == "muon" else 0,
                                    lora_params=shape.lora_params if shape and req.lora_r else 0,
-                                   lora_largest=shape.lora_largest if shape and req.lora_r else 0)
+                                   lora_largest=shape.lora_largest if shape and req.lora_r else 0,
+                                   fsdp_whole_gradients=req.gradient_accumulation_steps > 1
+                                   and not req.fsdp_sync_each_batch)
         dev, tr = states["at_step"]["device"], states["transient"]
         act = (activation_bytes(shape, regime_of(rung, req.precision), req.seq_len, req.micro_batch_size,
                                 req.activation_checkpointing) if shape else None)
@@ -113,6 +117,10 @@ def launch_line(rung: Rung, req: Request, model_args: str) -> str:
         parts.append("--optimizer muon")
     if req.lora_r:
         parts.append(f"--lora_r {req.lora_r}")
+    if req.gradient_accumulation_steps > 1:
+        parts.append(f"--gradient_accumulation_steps {req.gradient_accumulation_steps}")
+    if not req.fsdp_sync_each_batch and rung.framework == "fsdp":
+        parts.append("--fsdp_sync_each_batch false")
     if req.activation_checkpointing and rung.framework != "fsdp":
         parts.append("--gradient_checkpointing")
     line = " ".join(parts)
@@ -209,22 +217,25 @@ def advice(model, req: Request, model_args: str) -> list[str]:
     ac_works = not req.activation_checkpointing and report("activation checkpointing",
                                                               dataclasses.replace(req, activation_checkpointing=True))
 
+    def smaller(r: Request, micro: int) -> Request:  # the same batch in more micro-batches
+        k = math.ceil(r.micro_batch_size / micro) * r.gradient_accumulation_steps
+        return dataclasses.replace(r, micro_batch_size=micro, gradient_accumulation_steps=k)
+
     def largest_micro(r: Request) -> int | None:
-        return next((m for m in range(r.micro_batch_size - 1, 0, -1)
-                     if cheapest(evaluate(model, dataclasses.replace(r, micro_batch_size=m)))), None)
+        return next((m for m in range(r.micro_batch_size - 1, 0, -1) if cheapest(evaluate(model, smaller(r, m)))),
+                    None)
 
     micro = largest_micro(req) if req.micro_batch_size > 1 else None
     if micro:
         k = math.ceil(req.micro_batch_size / micro)
         report(f"micro_batch_size {micro} (with --gradient_accumulation_steps {k}: at least the same batch)",
-               dataclasses.replace(req, micro_batch_size=micro))
+               smaller(req, micro))
     elif req.micro_batch_size > 1:
         lines.append("  - smaller micro-batch: not even micro_batch_size 1 fits")
     if not (ac_works or micro or req.activation_checkpointing):  # neither lever alone: both together
         both = dataclasses.replace(req, activation_checkpointing=True)
         if (micro := largest_micro(both)):
-            report(f"activation checkpointing + micro_batch_size {micro}",
-                   dataclasses.replace(both, micro_batch_size=micro))
+            report(f"activation checkpointing + micro_batch_size {micro}", smaller(both, micro))
         else:
             report("activation checkpointing + micro_batch_size 1", dataclasses.replace(both, micro_batch_size=1))
     return lines

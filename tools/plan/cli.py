@@ -41,6 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
                    help="train.py's --optimizer: muon keeps one fp32 state per hidden-matrix parameter, AdamW two; "
                         "Muon rungs: one GPU and DDP only (default adamw)")
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1, help="train.py's (default 1)")
+    p.add_argument("--fsdp_sync_each_batch", choices=("true", "false"), default="true",
+                   help="train.py's: false keeps FSDP2's whole unsharded fp32 gradient between micro-batches "
+                        "(with accumulation); default true, a shard's")
     p.add_argument("--lora_r", type=int, help="train.py's --lora_r: LoRA adapters of this rank on its default targets "
                                               "are the only trained parameters (needs peft)")
     return p
@@ -57,8 +61,8 @@ def _check(args) -> None:
         raise PlanError(f"--gpu_memory_gb must be positive, got {args.gpu_memory_gb:g}")
     if not 0 <= args.reserve_gb < args.gpu_memory_gb:
         raise PlanError(f"--reserve_gb must be in [0, --gpu_memory_gb), got {args.reserve_gb:g}")
-    if args.seq_len <= 0 or args.micro_batch_size <= 0:
-        raise PlanError("--seq_len and --micro_batch_size must be positive")
+    if args.seq_len <= 0 or args.micro_batch_size <= 0 or args.gradient_accumulation_steps <= 0:
+        raise PlanError("--seq_len, --micro_batch_size and --gradient_accumulation_steps must be positive")
     if args.params is not None and not args.params >= 1:
         raise PlanError(f"--params must be a positive parameter count, got {args.params:g}")
     if args.gpus_per_node is not None and args.gpus_per_node <= 0:
@@ -242,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
                       seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
                       activation_checkpointing=args.activation_checkpointing, textbook=args.textbook,
                       reserve_gb=args.reserve_gb, host_memory_gb=args.host_memory_gb,
-                      gpus_per_node=args.gpus_per_node, optimizer=args.optimizer, lora_r=args.lora_r)
+                      gpus_per_node=args.gpus_per_node, optimizer=args.optimizer, lora_r=args.lora_r,
+                      gradient_accumulation_steps=args.gradient_accumulation_steps,
+                      fsdp_sync_each_batch=args.fsdp_sync_each_batch == "true")
         if args.params is not None:
             model, model_args = args.params, "--model_name_or_path <MODEL>"
         else:

@@ -93,7 +93,7 @@ def textbook_bytes(rung: Rung | str, n_params: float, world_size: int) -> dict:
 def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precision: str = "bf16",
                       shape: ModelShape | None = None, textbook: bool = False,
                       gpus_per_node: int | None = None, muon_params: float = 0, lora_params: float = 0,
-                      lora_largest: float = 0) -> dict:
+                      lora_largest: float = 0, fsdp_whole_gradients: bool = False) -> dict:
     """Bytes PER RANK of parameters, gradients, optimizer states and framework buffers, as the
     framework of `rung` keeps them in this repo (model built in fp32; torch AdamW, DeepSpeedCPUAdam
     under ZeRO-3 offload; accelerate defaults; the DeepSpeed JSONs in accelerate_configs/).
@@ -109,6 +109,9 @@ def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precis
     base, stored as every parameter is, and they alone have gradients, master copies and optimizer
     states (the frozen base has none: the frameworks keep those for parameters that require grad);
     lora_largest: the largest adapter tensor.
+    fsdp_whole_gradients: FSDP2 rungs: accumulation with train.py's --fsdp_sync_each_batch false, which
+    keeps every trained parameter's unsharded fp32 gradient between micro-batches (by default the
+    gradients are reduce-scattered every micro-batch: a shard's, as without accumulation).
 
     Returns a dict:
       rung, config, world_size, shard_group (the ranks one copy is sharded over), precision, n_params, textbook
@@ -284,6 +287,11 @@ def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precis
         add("AdamW exp_avg + exp_avg_sq on the shards", "optimizer", "rest", 8 * T / W,
             f"{SRC_ADAM_LAZY} (states on the shard's device)", off)
         add_build()
+        if fsdp_whole_gradients:
+            add("unsharded fp32 gradients kept between micro-batches (--fsdp_sync_each_batch false)", "grads",
+                "step", 4 * T, f"{SRC_FSDP}/_fsdp_param_group.py:607-612 (post_backward without reduce_grads: "
+                               "to_accumulated_grad_if_needed); on the GPU beside the unsharded parameters, "
+                               "also with CPU offload")
         add("fp32 gradient shards", "grads", "step", 4 * T / W,
             f"{SRC_FSDP}/_fsdp_collectives.py:686-710 (views of the fp32 reduce-scatter output; offload: copied to "
             "CPU)",
