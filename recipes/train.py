@@ -65,6 +65,7 @@ from common import model as modeling
 from common.export import export_pretrained
 from common.files import partial_dir
 from train_extras import chunked_loss, document_mask, lora, moe, muon
+from train_extras.attention import check_flash
 from train_extras.data import assemble, at_scale, render
 from train_extras.observe import flops, metrics, run_record, tracking
 from train_extras.observe.run_record import RunRecord
@@ -212,6 +213,7 @@ def model_facts(cfg, accelerator, vocab_size: int) -> ModelFacts:
     attention = cfg.attn_implementation
     if attention == "auto":
         attention = meta.config._attn_implementation
+    check_flash(attention, accelerator)  # its package, a CUDA GPU, bf16/fp16: one line now, not at a forward
     counts = flops.parameter_counts(model_cfg, meta)
     inactive = counts["total"] - counts["active"]
     counted = flops.flops(model_cfg, cfg.seq_len, meta)

@@ -4,7 +4,7 @@ import pytest
 
 from common.config import ConfigError
 from train_extras.options import TrainConfig
-from conftest import parse_train
+from conftest import launch, parse_train
 
 
 pytestmark = pytest.mark.quick  # launches nothing: docs/testing.md#running-the-tests
@@ -150,3 +150,33 @@ def test_a_group_missing_from_check_order_or_listed_but_not_a_base_is_refused_at
         @dataclass
         class Twice(config.RecipeConfig):
             check_order = (*config.RecipeConfig.check_order, config.DataOptions)
+
+
+@pytest.mark.quick
+def test_a_flash_kernel_without_its_package_gpu_or_half_precision_is_one_line(monkeypatch):
+    """train.py checks --attn_implementation flash_attention_2/3 before the model is built: transformers
+    would fetch a kernel from the Hub for a missing package, and the kernel fails in fp32 at a forward."""
+    import transformers.utils
+    from types import SimpleNamespace
+
+    from train_extras.attention import check_flash
+
+    bf16, fp32 = SimpleNamespace(mixed_precision="bf16"), SimpleNamespace(mixed_precision="no")
+    for kernel, package in (("flash_attention_2", "flash-attn"), ("flash_attention_3", "flash-attn-3")):
+        with pytest.raises(ConfigError, match=f"needs a CUDA GPU and the {package} package installed"):
+            check_flash(kernel, bf16)  # this machine: no CUDA, no flash-attn
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: True)  # as on a GPU node with it
+    check_flash("flash_attention_2", bf16)
+    with pytest.raises(ConfigError, match="runs in bf16 or fp16, and this launch's mixed precision is 'no'"):
+        check_flash("flash_attention_2", fp32)
+    for other in ("sdpa", "eager", "flex_attention"):
+        check_flash(other, fp32)
+
+
+def test_train_py_refuses_flash_attention_here_before_building_the_model(tmp_path, hf_home):
+    proc = launch("train.py", ["--attn_implementation", "flash_attention_2", "--micro_batch_size", "1",
+                               "--output_dir", str(tmp_path / "run")], hf_home, check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr and proc.stdout == ""  # before any work
+    assert proc.stderr.startswith("error: --attn_implementation flash_attention_2 needs a CUDA GPU and the flash-attn "
+                                  "package installed")
+    assert not (tmp_path / "run" / "checkpoints").exists()
