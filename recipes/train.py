@@ -160,6 +160,9 @@ def build_accelerator(cfg) -> Accelerator:
     guard.check_launch(accelerator, "train.py",
                        supports=("single", "ddp", "fsdp", "deepspeed", "tp", "fsdp+tp"))
     deepspeed_settings.configure(accelerator, cfg)  # DeepSpeed clips in its own step
+    threads = cpu_threads.for_offloaded_optimizer(cpu_threads.offloads_optimizer(accelerator))
+    if threads and accelerator.is_main_process:  # (a GPU node: one thread per rank otherwise)
+        print(f"cpu threads      : {threads} per rank, for the optimizer step offloaded to the CPU", flush=True)
     muon.check_launch(cfg, accelerator)  # Muon needs whole matrices: not sharded ones
     chunked_loss.check_launch(cfg, accelerator)  # nor a head split across ranks
     return accelerator

@@ -88,6 +88,43 @@ def test_a_thread_count_the_user_chose_stands(monkeypatch):
 
 
 @pytest.mark.quick
+def test_an_offloaded_optimizer_on_a_gpu_node_gets_its_share_of_the_cores(monkeypatch):
+    """torchrun and accelerate start GPU ranks with OMP_NUM_THREADS=1; DeepSpeedCPUAdam or FSDP2
+    offload's AdamW would step on one core. Each rank gets the cores it may use over the local ranks."""
+    import torch
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    threads = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU node
+    monkeypatch.setattr(cpu_threads, "launcher_set_threads", lambda: False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    assert cpu_threads.for_offloaded_optimizer(True) == 8 and threads == [8]
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "32")  # the job's share of the machine
+    assert cpu_threads.for_offloaded_optimizer(True) == 4
+    assert cpu_threads.for_offloaded_optimizer(False) is None  # the GPU steps: nothing to do
+    monkeypatch.setattr(cpu_threads, "launcher_set_threads", lambda: True)  # the user's count stands
+    assert cpu_threads.for_offloaded_optimizer(True) is None and threads == [8, 4]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU run: use_available_cores' part
+    assert cpu_threads.for_offloaded_optimizer(True) is None
+
+    def launched(kind, zero=None, fsdp_offload="false"):
+        monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", fsdp_offload)
+        config = {"zero_optimization": zero or {}}
+        return SimpleNamespace(distributed_type=kind,
+                               state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=config)))
+    assert cpu_threads.offloads_optimizer(launched(DistributedType.DEEPSPEED, {"offload_optimizer": {"device": "cpu"}}))
+    assert not cpu_threads.offloads_optimizer(launched(DistributedType.DEEPSPEED, {"stage": 3}))
+    assert cpu_threads.offloads_optimizer(launched(DistributedType.FSDP, fsdp_offload="true"))
+    assert not cpu_threads.offloads_optimizer(launched(DistributedType.FSDP))
+    assert not cpu_threads.offloads_optimizer(launched(DistributedType.MULTI_GPU, fsdp_offload="true"))
+
+
+@pytest.mark.quick
 def test_shakespeare_is_kept_as_it_is():
     """Blank lines between speeches survive (a model learns to write them); the held-out part is
     the last 10% of the characters; the file is the one the provenance names."""

@@ -1,6 +1,8 @@
-"""Threads of a lone CPU process: `accelerate launch` without a config file starts one CPU process
-with OMP_NUM_THREADS=1 (its default when the config does not say use_cpu), which trains the default
-job at about half the speed two cores give; this gives such a process every core it may use.
+"""Threads of a lone CPU process, and of an optimizer step offloaded to the CPU of a GPU node.
+
+`accelerate launch` without a config file starts one CPU process with OMP_NUM_THREADS=1 (its
+default when the config does not say use_cpu), which trains the default job at about half the speed
+two cores give; this gives such a process every core it may use.
 
 The worker sees OMP_NUM_THREADS=1 whether the user chose 1 or accelerate defaulted to it, so the
 launcher itself (the worker's parent process) is asked, through psutil: its command line
@@ -51,3 +53,32 @@ def use_available_cores() -> None:
     torch.set_num_threads(cores)
 
 
+
+
+def offloads_optimizer(accelerator) -> bool:
+    """Whether the optimizer steps on the CPU: ZeRO's offload_optimizer to the CPU (DeepSpeedCPUAdam),
+    or FSDP2's CPU offload (the shards, their gradients and AdamW's states live in CPU RAM)."""
+    from accelerate.utils import DistributedType
+
+    from common.guard import flag
+
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        zero = accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
+        return (zero.get("offload_optimizer") or {}).get("device") == "cpu"
+    return accelerator.distributed_type == DistributedType.FSDP and flag("FSDP_OFFLOAD_PARAMS")
+
+
+def for_offloaded_optimizer(offloading: bool) -> int | None:
+    """On a GPU node torchrun and accelerate start each rank with OMP_NUM_THREADS=1, so an optimizer
+    step on the CPU (offload) would run on one core. Such a rank gets its share of the cores it may
+    use: the cores of its affinity (and at most SLURM_CPUS_PER_TASK, where SLURM set it) over the
+    ranks of its machine (LOCAL_WORLD_SIZE). A thread count the user gave the launcher stands; a CPU
+    run is use_available_cores' (above). Returns the count set, or None."""
+    if not offloading or not torch.cuda.is_available() or launcher_set_threads():
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit():
+        cores = min(cores, int(os.environ["SLURM_CPUS_PER_TASK"]))
+    threads = max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    torch.set_num_threads(threads)  # torch's and OpenMP's pool: DeepSpeedCPUAdam's loop runs in OpenMP too
+    return threads
