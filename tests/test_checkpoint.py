@@ -113,3 +113,28 @@ def test_a_checkpoint_from_another_model_or_strategy_is_refused(tmp_path, hf_hom
         assert ours and all(message in line and "checkpoint.json" in line for line in ours), proc.stderr[-2000:]
         assert proc.stdout.strip() == ""  # nothing ran: not even the setup block
     assert sorted((p.name, p.stat().st_size) for p in step_30.iterdir()) == before
+
+
+@pytest.mark.quick
+def test_each_rank_hashes_the_checkpoint_files_it_wrote(tmp_path, monkeypatch):
+    """A checkpoint's checksums are taken by the rank that wrote each file (its rank is in the name;
+    the main process writes the rest): no rank reads another machine's writes over a shared file
+    system, inside a preemption's grace. Names as FSDP2, DeepSpeed, TP and accelerate write them."""
+    from types import SimpleNamespace
+
+    from train_extras.resume import checkpoint
+
+    owners = {"pytorch_model_fsdp_0/__1_0.distcp": 1, "pytorch_model_fsdp_0/__0_0.distcp": 0,
+              "optimizer_0/__1_0.distcp": 1, "pytorch_model_fsdp_0/.metadata": 0,
+              "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt": 1,
+              "pytorch_model/zero_pp_rank_0_mp_rank_00_model_states.pt": 0,
+              "tensor_parallel/__1_0.distcp": 1, "random_states_1.pkl": 1, "random_states_0.pkl": 0,
+              "model.safetensors": 0, "optimizer.bin": 0, "scheduler.bin": 0, "scaler.pt": 0}
+    assert {name: checkpoint.writer_rank(name, 2) for name in owners} == owners
+    for name in owners:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(name.encode())
+    monkeypatch.setattr(checkpoint, "gather_object", lambda parts: parts)  # (one process stands for rank 1)
+    hashed = checkpoint._digests(tmp_path, sorted(owners), SimpleNamespace(num_processes=2, process_index=1))
+    assert sorted(hashed) == sorted(name for name, rank in owners.items() if rank == 1)
+    assert hashed["random_states_1.pkl"] == checkpoint.file_digest(tmp_path / "random_states_1.pkl")

@@ -156,12 +156,24 @@ def file_digest(path: Path, sync: bool = False) -> str:
     return digest.hexdigest()
 
 
+# A file a rank wrote carries its rank in its name: torch.distributed.checkpoint's shards (`__3_0.distcp`),
+# DeepSpeed's (`zero_pp_rank_3_...`), accelerate's RNG states (`random_states_3.pkl`); the main process
+# writes the others (the model, optimizer and scheduler of an unsharded run, the metadata).
+WRITER = re.compile(r"(?:^|/)(?:__(\d+)_\d+\.distcp|zero_pp_rank_(\d+)_.*|random_states_(\d+)\.pkl)$")
+
+
+def writer_rank(name: str, world: int) -> int:
+    match = WRITER.search(name)
+    return int(next(g for g in match.groups() if g is not None)) % world if match else 0
+
+
 def _digests(folder: Path, names: list[str], accelerator, sync: bool = False) -> dict:
-    """{name: digest} of every file, each rank reading its share (names[rank::world]) with a few
-    threads (xxhash and file reads release the GIL); every rank gets the whole answer."""
+    """{name: digest} of every file, each rank reading the files it wrote (`writer_rank`: from its
+    page cache, not across a shared file system from another machine's writes) with a few threads
+    (xxhash and file reads release the GIL); every rank gets the whole answer."""
     world = accelerator.num_processes if accelerator is not None else 1
     rank = accelerator.process_index if accelerator is not None else 0
-    mine = names[rank::world]
+    mine = [name for name in names if writer_rank(name, world) == rank]
     with ThreadPoolExecutor(max_workers=max(1, min(8, len(mine), os.cpu_count() or 1))) as pool:
         found = dict(zip(mine, pool.map(lambda name: file_digest(folder / name, sync), mine)))
     if world > 1:
@@ -529,7 +541,7 @@ def save(accelerator, output_dir: str | Path, step: int, metadata: dict, keep: i
 
     _unless_disk_full(write_state, accelerator, root, partial, final)
     # Every file fsynced (so the rename below cannot reach the disk before the data does) and its
-    # checksum taken from the bytes just written, the ranks sharing the work.
+    # checksum taken from the bytes just written, each rank hashing the files it wrote.
     # Listed once (rank 0) for all: a shared file system's directory cache may show ranks different lists.
     names = (sorted(p.relative_to(partial).as_posix() for p in partial.rglob("*") if p.is_file())
              if accelerator.is_main_process else None)
