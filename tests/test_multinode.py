@@ -70,3 +70,32 @@ def test_two_nodes_train_like_one_node_with_two_processes(tmp_path, hf_home, two
         meta = checkpoint.verify(out / "checkpoints" / f"step_{step}")
         assert meta["step"] == step and meta["setup"]["world_size"] == 2
         assert {"random_states_0.pkl", "random_states_1.pkl"} <= set(meta["files"])
+
+
+@pytest.mark.quick
+def test_a_hostname_on_a_loopback_address_stops_a_job_across_machines(monkeypatch):
+    """gloo binds what the hostname resolves to: 127.0.1.1 on many images, which no other machine can
+    reach. A job across machines stops with one line naming GLOO_SOCKET_IFNAME; one on one host runs."""
+    import socket
+
+    from common.config import ConfigError
+    from train_extras.data import at_scale
+
+    addresses = {"gpu-node-7": "127.0.1.1", "10.0.0.1": "10.0.0.1", "127.0.0.1": "127.0.0.1"}
+    monkeypatch.setattr(socket, "gethostname", lambda: "gpu-node-7")
+    monkeypatch.setattr(socket, "gethostbyname", addresses.__getitem__)
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    with pytest.raises(ConfigError, match="hostname gpu-node-7 resolves to 127.0.1.1, a loopback address: gloo would "
+                                          "bind it.* set GLOO_SOCKET_IFNAME"):
+        at_scale.check_gloo_address()
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")  # the interface named: gloo binds that
+    at_scale.check_gloo_address()
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # every machine on this host (the tests' drills)
+    at_scale.check_gloo_address()
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("WORLD_SIZE", "8")  # one machine
+    at_scale.check_gloo_address()

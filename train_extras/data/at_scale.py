@@ -19,7 +19,10 @@ size and micro-batch, which the checkpoint check enforces).
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import itertools
+import os
+import socket
 from datetime import timedelta
 
 import numpy as np
@@ -41,6 +44,7 @@ def main_process_first(accelerator, timeout_s: int):
     if accelerator.num_processes == 1:
         yield
         return
+    check_gloo_address()
     group = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
     def wait(for_whom: str):
@@ -56,6 +60,27 @@ def main_process_first(accelerator, timeout_s: int):
     if accelerator.is_main_process:
         wait("the other ranks")
     torch.distributed.destroy_process_group(group)
+
+
+def check_gloo_address() -> None:
+    """gloo binds the address this machine's hostname resolves to, unless GLOO_SOCKET_IFNAME names an
+    interface. Many images resolve the hostname to 127.0.1.1 (Debian's /etc/hosts): on a job across
+    machines the others could not reach it, and the first barrier would wait out its timeout. One
+    line instead. (All machines on one host, MASTER_ADDR a loopback address, need nothing.)"""
+    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if os.environ.get("GLOO_SOCKET_IFNAME") or not local or world <= local:
+        return
+    try:
+        hostname = socket.gethostname()
+        own, master = (ipaddress.ip_address(socket.gethostbyname(name))
+                       for name in (hostname, os.environ.get("MASTER_ADDR", "127.0.0.1")))
+    except (OSError, ValueError):
+        return  # unresolvable: gloo's own error says more
+    if own.is_loopback and not master.is_loopback:
+        raise ConfigError(f"this machine's hostname {hostname} resolves to {own}, a loopback address: gloo would bind "
+                          f"it, and the other machines of this {world}-process job could not reach it; set "
+                          "GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) to the network interface, e.g. eth0 "
+                          "(docs/clusters.md)")
 
 
 def held_out_set(cfg, tokenizer):
