@@ -168,14 +168,12 @@ def build_scheduler(optimizer, cfg):
 
 
 @torch.no_grad()
-def evaluate(model, eval_loader, accelerator, max_batches: int = 0, loss=None) -> dict:
+def evaluate(model, eval_loader, accelerator, max_batches: int = 0, loss=causal_lm_loss) -> dict:
     """Token-weighted mean loss over the held-out blocks, across all ranks, each block counted once:
     (sample index, loss sum, target tokens) per sequence are gathered and summed over distinct
     indices, which drops the rows accelerate repeats to even out the last batch and, under TP, the
     identical rows of a TP group (gather_for_metrics' trimming was measured 1e-3 off there). One
-    CPU-GPU sync at the end, none per batch. `loss`: causal_lm_loss's stand-in (train.py's chunked
-    loss, which never holds the whole vocabulary's logits); default causal_lm_loss."""
-    loss = loss or causal_lm_loss
+    CPU-GPU sync at the end, none per batch. `loss`: or train.py's chunked loss (no whole logits)."""
     model.eval()
     rows = []
     for i, batch in enumerate(eval_loader):

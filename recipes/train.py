@@ -136,12 +136,14 @@ def build_accelerator(cfg) -> Accelerator:
     # FSDP2's shard unit and policies (None unless the launch config asks for FSDP)
     fsdp_plugin = fsdp_settings.plugin(modeling.model_config(cfg))
     if fsdp_plugin is None and not cfg.fsdp_sync_each_batch:
-        raise config.ConfigError("--fsdp_sync_each_batch false is an FSDP2 setting: this launch is not FSDP")
+        raise config.ConfigError("--fsdp_sync_each_batch false is an FSDP2 setting: "
+                                 "this launch is not FSDP")
     # Sync on a count of micro-batches, not at the end of the dataloader: an epoch boundary in
     # the middle of an accumulation window must not trigger an early optimizer step. FSDP2:
     # reduce-scatter every micro-batch (a shard's gradient, not the model's, between them).
-    plugin = GradientAccumulationPlugin(num_steps=cfg.gradient_accumulation_steps, sync_with_dataloader=False,
-                                        sync_each_batch=fsdp_plugin is not None and cfg.fsdp_sync_each_batch)
+    sync_each_batch = fsdp_plugin is not None and cfg.fsdp_sync_each_batch
+    plugin = GradientAccumulationPlugin(num_steps=cfg.gradient_accumulation_steps,
+                                        sync_with_dataloader=False, sync_each_batch=sync_each_batch)
     accelerator = Accelerator(
         gradient_accumulation_plugin=plugin,
         # We step the LR schedule ourselves, once per optimizer step (accelerate would step it
@@ -162,7 +164,8 @@ def build_accelerator(cfg) -> Accelerator:
     deepspeed_settings.configure(accelerator, cfg)  # DeepSpeed clips in its own step
     threads = cpu_threads.for_offloaded_optimizer(cpu_threads.offloads_optimizer(accelerator))
     if threads and accelerator.is_main_process:  # (a GPU node: one thread per rank otherwise)
-        print(f"cpu threads      : {threads} per rank, for the optimizer step offloaded to the CPU", flush=True)
+        print(f"cpu threads      : {threads} per rank, for the optimizer step offloaded to the CPU",
+              flush=True)
     muon.check_launch(cfg, accelerator)  # Muon needs whole matrices: not sharded ones
     chunked_loss.check_launch(cfg, accelerator)  # nor a head split across ranks
     return accelerator
@@ -216,7 +219,7 @@ def model_facts(cfg, accelerator, vocab_size: int) -> ModelFacts:
     attention = cfg.attn_implementation
     if attention == "auto":
         attention = meta.config._attn_implementation
-    check_flash(attention, accelerator)  # its package, a CUDA GPU, bf16/fp16: one line now, not at a forward
+    check_flash(attention, accelerator)  # its package, a GPU, bf16/fp16: now, not at a forward
     counts = flops.parameter_counts(model_cfg, meta)
     inactive = counts["total"] - counts["active"]
     counted = flops.flops(model_cfg, cfg.seq_len, meta)
@@ -555,7 +558,8 @@ def evaluate(run: Run, record: RunRecord, step: int, watch) -> str | None:
     part-result is not recorded, or "sample"), else None."""
     cfg = run.cfg
     result = assemble.evaluate(run.model, run.eval_loaders, run.accelerator, cfg.eval_batches,
-                               watch.stop_check(run.accelerator), chunked_loss.loss_of(run.loss_head))
+                               watch.stop_check(run.accelerator),
+                               chunked_loss.loss_of(run.loss_head))
     if result is None:
         return "eval"
     record.eval(step, result)

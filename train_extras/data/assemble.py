@@ -162,7 +162,7 @@ def evaluate(model, loaders: dict, accelerator, max_batches: int = 0, stop=None,
     scores = {}
     for name, loader in loaders.items():
         batches = _UntilStopped(loader, stop) if stop is not None else loader
-        scores[name] = modeling.evaluate(model, batches, accelerator, max_batches, loss)
+        scores[name] = modeling.evaluate(model, batches, accelerator, max_batches, loss or modeling.causal_lm_loss)
         if stop is not None and batches.stopped:
             return None
     if list(scores) == [""]:
