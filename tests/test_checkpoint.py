@@ -128,6 +128,7 @@ def test_each_rank_hashes_the_checkpoint_files_it_wrote(tmp_path, monkeypatch):
               "optimizer_0/__1_0.distcp": 1, "pytorch_model_fsdp_0/.metadata": 0,
               "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt": 1,
               "pytorch_model/zero_pp_rank_0_mp_rank_00_model_states.pt": 0,
+              "pytorch_model/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt": 1,  # (DeepSpeed under bf16)
               "tensor_parallel/__1_0.distcp": 1, "random_states_1.pkl": 1, "random_states_0.pkl": 0,
               "model.safetensors": 0, "optimizer.bin": 0, "scheduler.bin": 0, "scaler.pt": 0}
     assert {name: checkpoint.writer_rank(name, 2) for name in owners} == owners

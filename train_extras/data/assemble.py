@@ -154,7 +154,8 @@ class _UntilStopped:
             yield batch
 
 
-def evaluate(model, loaders: dict, accelerator, max_batches: int = 0, stop=None, loss=None) -> dict | None:
+def evaluate(model, loaders: dict, accelerator, max_batches: int = 0, stop=None,
+             loss=modeling.causal_lm_loss) -> dict | None:
     """common.model.evaluate on each source's held-out loader; the mixture's loss is their token mean.
     One source ({"": loader}): its result as it is. `stop` (train.py: a preemption): True ends the
     eval within STOP_CHECK_EVERY batches, with no result (None): the loss of a part of the held-out
@@ -162,7 +163,7 @@ def evaluate(model, loaders: dict, accelerator, max_batches: int = 0, stop=None,
     scores = {}
     for name, loader in loaders.items():
         batches = _UntilStopped(loader, stop) if stop is not None else loader
-        scores[name] = modeling.evaluate(model, batches, accelerator, max_batches, loss or modeling.causal_lm_loss)
+        scores[name] = modeling.evaluate(model, batches, accelerator, max_batches, loss)
         if stop is not None and batches.stopped:
             return None
     if list(scores) == [""]:

@@ -157,9 +157,10 @@ def file_digest(path: Path, sync: bool = False) -> str:
 
 
 # A file a rank wrote carries its rank in its name: torch.distributed.checkpoint's shards (`__3_0.distcp`),
-# DeepSpeed's (`zero_pp_rank_3_...`), accelerate's RNG states (`random_states_3.pkl`); the main process
-# writes the others (the model, optimizer and scheduler of an unsharded run, the metadata).
-WRITER = re.compile(r"(?:^|/)(?:__(\d+)_\d+\.distcp|zero_pp_rank_(\d+)_.*|random_states_(\d+)\.pkl)$")
+# DeepSpeed's (`zero_pp_rank_3_...`, `bf16_zero_pp_rank_3_...` under bf16), accelerate's RNG states
+# (`random_states_3.pkl`); the main process writes the others (an unsharded run's model, optimizer and
+# scheduler, the metadata).
+WRITER = re.compile(r"(?:^|/)(?:__(\d+)_\d+\.distcp|(?:bf16_)?zero_pp_rank_(\d+)_.*|random_states_(\d+)\.pkl)$")
 
 
 def writer_rank(name: str, world: int) -> int:
