@@ -231,9 +231,8 @@ def model_shape(preset: str | None = None, model_name_or_path: str | None = None
 
 def _adapters(model, lora_r: int) -> dict:
     """The adapters train.py's --lora_r puts in this model (its default targets), injected on the meta device."""
-    from types import SimpleNamespace
-
     import importlib.util
+    from types import SimpleNamespace
 
     from common.config import ConfigError
     from train_extras import lora
