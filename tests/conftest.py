@@ -3,14 +3,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import yaml
@@ -55,6 +59,7 @@ def launch_env(hf_home: Path) -> dict:
         HF_DATASETS_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
         PYTHONUNBUFFERED="1",
+        PYTHONFAULTHANDLER="1",  # a hung launch's processes print their stacks (run_showing_stacks_on_timeout)
         # The checkout under test first (not whatever copy of the package is installed), then the probes.
         PYTHONPATH=os.pathsep.join([str(ROOT), str(PROBES)]),
         ACCELERATE_RECIPES_CPUINFO_CACHE=str(hf_home / "cpuinfo.json"),  # see tests/probes/sitecustomize.py
@@ -170,10 +175,40 @@ def warm_or_cold(cmd: list[str], full_env: dict, cwd: Path, timeout: int, warm: 
     worker = warm_launch.simple_launch(cmd[2:], full_env) if warm else None
     key = warm_launch.Zygote.key(worker[1]) if worker is not None else None
     if key is not None:
-        return _warm(_zygotes, key, lambda: warm_launch.Zygote(worker[1])).run(*worker, cwd, timeout)
+        try:
+            return _warm(_zygotes, key, lambda: warm_launch.Zygote(worker[1])).run(*worker, cwd, timeout)
+        except subprocess.TimeoutExpired as hang:
+            raise AssertionError(f"{' '.join(cmd)} still running after {timeout} s (a hang): its output's end, "
+                                 f"then its stack\n{hang.output[-3000:]}\n{_stacks(hang.stderr)}") from None
     if warm and worker is None:
         full_env = warm_workers_env(full_env)
-    return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return run_showing_stacks_on_timeout(cmd, full_env, cwd, timeout)
+
+
+def _stacks(stderr: str) -> str:
+    """faulthandler's dumps in a hung run's stderr, without the list of extension modules each ends with."""
+    return "\n".join(line for line in stderr.splitlines() if not line.startswith("Extension modules:"))[-20000:]
+
+
+def run_showing_stacks_on_timeout(cmd: list[str], env: dict, cwd: Path, timeout: int) -> subprocess.CompletedProcess:
+    """subprocess.run; a run still going after `timeout` s is a hang: every process it started
+    prints its Python stack (faulthandler, enabled by launch_env, on SIGABRT; a warm worker's
+    stand-in forwards it) before all are killed, and the test fails with where each one waited."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.send_signal(signal.SIGABRT)
+        time.sleep(10)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd)} still running after {timeout} s (a hang): its output's end, then "
+                             f"each process's stack\n{out[-3000:]}\n{_stacks(err)}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def launch(recipe: str, args: list[str], hf_home: Path, config: str = "cpu.yaml", check: bool = True,

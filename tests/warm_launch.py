@@ -37,6 +37,7 @@ tests/test_distributed.py launches one command both ways and compares the runs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -59,7 +60,8 @@ WORKER_IGNORED = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTORCH_N
 SOCKET_VAR = "ACCELERATE_RECIPES_WARM_SOCKET"  # the client's way to its zygote
 PYTHON_VAR = "ACCELERATE_RECIPES_WARM_PYTHON"  # the real interpreter, for a worker that cannot be warm
 CLIENT = Path(__file__).resolve().with_name("warm_python")
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+             signal.SIGABRT)  # SIGABRT: a hung test's stacks (conftest.run_showing_stacks_on_timeout)
 PRELOAD = ("torch", "numpy", "yaml", "tqdm", "psutil", "safetensors.torch", "datasets", "accelerate",
            "transformers", "transformers.models.llama.modeling_llama", "transformers.models.auto.modeling_auto")
 
@@ -120,9 +122,13 @@ class Zygote:
             self.proc.stdin.flush()
             pid = self._reply(60)["pid"]
             reply = self._reply(timeout)
-            if reply is None:  # kill the run (and anything it started), then collect the zygote's answer
-                os.killpg(pid, signal.SIGKILL)
-                self._reply(60)
+            if reply is None:  # a hang: its stacks (faulthandler), then kill it and what it started
+                os.killpg(pid, signal.SIGABRT)
+                reply = self._reply(10)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+                if reply is None:
+                    self._reply(60)
                 raise subprocess.TimeoutExpired(cmd, timeout, out.read_text(), err.read_text())
             stdout, stderr = out.read_text(), err.read_text()
         code = reply["code"]
