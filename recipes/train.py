@@ -57,8 +57,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import (DistributedType, GradientAccumulationPlugin, GradScalerKwargs,
-                               InitProcessGroupKwargs, compile_regions_fsdp2, set_seed)
+from accelerate.utils import (DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin,
+                               GradScalerKwargs, InitProcessGroupKwargs, compile_regions_fsdp2,
+                               set_seed)
 
 from common import config, data, guard
 from common import model as modeling
@@ -146,6 +147,8 @@ def build_accelerator(cfg) -> Accelerator:
                                         sync_with_dataloader=False, sync_each_batch=sync_each_batch)
     accelerator = Accelerator(
         gradient_accumulation_plugin=plugin,
+        # Batches copied from pinned memory without waiting for the copy (accelerate waits by default)
+        dataloader_config=DataLoaderConfiguration(non_blocking=True),
         # We step the LR schedule ourselves, once per optimizer step (accelerate would step it
         # once per process per optimizer step: world_size times too fast for a schedule in steps).
         step_scheduler_with_optimizer=False,

@@ -114,7 +114,8 @@ def test_ddp_syncs_only_on_the_last_micro_batch(accumulation_runs):
 @pytest.fixture(scope="module")
 def fsdp_accumulation_runs(tmp_path_factory, hf_home, initial_model):
     """train.py under fsdp.yaml as the pair run "train.py/fsdp.yaml" (2 ranks x 4 sequences), but
-    as 2 micro-batches of 2: by default, and (6 steps: the warmup) with --fsdp_sync_each_batch false."""
+    as 2 micro-batches of 2: by default, and (6 steps: the warmup) with --fsdp_sync_each_batch false.
+    The probes count each rank's host syncs per step too."""
     runs = {}
     for sync, steps in (("true", []), ("false", ["--max_steps", "6", "--eval_every", "0", "--save_model", "false"])):
         out = tmp_path_factory.mktemp(f"fsdp_accumulation_{sync}")
@@ -123,7 +124,8 @@ def fsdp_accumulation_runs(tmp_path_factory, hf_home, initial_model):
                                 *(["--fsdp_sync_each_batch", "false"] if sync == "false" else []), *steps,
                                 "--output_dir", str(out)]
         runs[sync] = Run(out, launch_two_processes("train.py", "fsdp.yaml", args, hf_home,
-                                                   env={"ACCELERATE_RECIPES_PROBE_GRADIENT_BYTES": "1"}))
+                                                   env={"ACCELERATE_RECIPES_PROBE_GRADIENT_BYTES": "1",
+                                                        "ACCELERATE_RECIPES_PROBE_SYNCS": "1"}))
     return runs
 
 
@@ -213,3 +215,30 @@ def test_nonfinite_losses_in_a_row_stop_the_run(tmp_path, hf_home):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".run.lock", "metrics.jsonl"]
     lines = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["loss"] is None) for r in lines] == [(1, False), (2, True), (3, True), (4, True)]
+
+
+
+# What a steady step of train.py makes a GPU wait for, per rank (the probes' census, by file): its one
+# documented sync (the finite check and the preemption vote, recipes/train.py), and transformers'
+# packed-sequence check, once per forward (masking_utils.find_packed_sequence_indices, a `.all()` on
+# the position ids: docs/benchmarks.md#host-syncs-per-step). No blocking batch copy.
+STEADY_SYNCS = {"recipes/train.py tolist": 1, "transformers/masking_utils.py __bool__": 2}  # 2 micro-batches
+
+
+def test_a_step_makes_the_gpu_wait_once_and_copies_batches_without_waiting(fsdp_accumulation_runs):
+    for run in fsdp_accumulation_runs.values():
+        for rank in run.probed("syncs"):
+            steps = {r["step"]: {} for r in rank}
+            for r in rank:
+                for site, count in r["sites"].items():  # "recipes/train.py:533 tolist" -> "recipes/train.py tolist"
+                    where, what = site.split(" ", 1)
+                    key = f"{where.rsplit(':', 1)[0]} {what}"
+                    steps[r["step"]][key] = steps[r["step"]].get(key, 0) + count
+            assert sorted(steps) == list(range(1, len(steps) + 1)) and len(steps) in (6, 60)
+            assert all(census.get("recipes/train.py tolist") == 1 for census in steps.values()), steps
+            assert not [site for census in steps.values() for site in census if "blocking batch copy" in site]
+            # the loss line every 10 steps (--log_every) reads the 10 steps' losses at once
+            logged = [step for step, census in steps.items() if "observe/run_record.py tolist" in census]
+            assert logged == list(range(11, len(steps) + 1, 10))
+            steady = {step: census for step, census in steps.items() if step > 1 and step not in logged}
+            assert steady and all(census == STEADY_SYNCS for census in steady.values()), steady

@@ -11,6 +11,10 @@ With ACCELERATE_RECIPES_PROBE_DIR set, each rank appends JSON lines to <dir>/ran
   {"gradient_bytes": {...}}  after each backward of the first optimizer step, the gradient bytes this
                              rank holds, sharded and (FSDP2, sync off) unsharded
                              (ACCELERATE_RECIPES_PROBE_GRADIENT_BYTES=1)
+  {"syncs": {...}}           per optimizer step, the calls that make a GPU wait for its queue (`.item()`,
+                             `.tolist()`, `bool`/`float`/`int` of a tensor, `.cpu()`, `.numpy()`,
+                             `.nonzero()`, a copy to the host) since the previous step, counted by call
+                             site: the first caller outside torch (ACCELERATE_RECIPES_PROBE_SYNCS=1)
   {"applied_gradient": {...}} with a GradScaler (fp16), per optimizer step: the norm of the gradient
                              the optimizer really applies (unscaled, clipped), or that it skipped it
   {"final": {...}}           at end_training: peak memory, what the strategy built, parameter sharding, optimizer
@@ -204,6 +208,9 @@ def _probe_steps(cls, facts):
 
     def probed_step(self, *args, **kwargs):
         _seen["optimizer_steps"] += 1
+        if _seen.get("syncs") is not None:  # what the step did (its micro-batches, its clipping) until here
+            record("syncs", {"step": _seen["optimizer_steps"], "sites": dict(sorted(_seen["syncs"].items()))})
+            _seen["syncs"].clear()
         if _seen["optimizer_steps"] == 2:  # activations freed, gradients held (DeepSpeed: already stepped)
             record("memory", {"after_backward": facts.memory_in_use(torch.device("cpu"))})
         return step(self, *args, **kwargs)
@@ -216,6 +223,59 @@ def _probe_steps(cls, facts):
         return out
 
     cls.step, cls.zero_grad = probed_step, probed_zero_grad
+
+
+def _count_host_syncs():
+    """Counts each call that, on a GPU, waits for the device (the census of docs/benchmarks.md#host-syncs-per-step),
+    by its site: the first frame outside torch and these probes (`recipes/train.py:530`,
+    `transformers/masking_utils.py:...`). On a CPU nothing waits, but the calls are the same."""
+    import torch
+
+    counts = _seen["syncs"] = {}
+    torch_dir = str(Path(torch.__file__).parent)
+
+    def count(what: str, depth: int = 3) -> None:
+        where = site(depth)
+        if where is not None:
+            counts[f"{where} {what}"] = counts.get(f"{where} {what}", 0) + 1
+
+    def site(depth: int) -> str | None:
+        frame = sys._getframe(depth)
+        while frame is not None and frame.f_code.co_filename.startswith(torch_dir):
+            frame = frame.f_back
+        if frame is None or frame.f_code.co_filename == __file__:
+            return None  # the probes' own reads are not the run's
+        name = frame.f_code.co_filename
+        name = name.split("site-packages/")[-1] if "site-packages/" in name else "/".join(Path(name).parts[-2:])
+        return f"{name}:{frame.f_lineno}"
+
+    def counted(method, what):
+        def wrapped(self, *args, **kwargs):
+            count(what)
+            return method(self, *args, **kwargs)
+        return wrapped
+
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy", "nonzero"):
+        setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name), name))
+    to = torch.Tensor.to
+
+    def counted_to(self, *args, **kwargs):  # a copy to the host, or one from it without non_blocking
+        target = next((a for a in (*args, kwargs.get("device")) if isinstance(a, (str, torch.device))), None)
+        if target is not None and torch.device(target).type != self.device.type and not kwargs.get("non_blocking"):
+            count(f"to({torch.device(target).type})")
+        return to(self, *args, **kwargs)
+
+    torch.Tensor.to = counted_to
+    import accelerate.data_loader
+
+    send = accelerate.data_loader.send_to_device
+
+    def counted_send(batch, device, non_blocking=False, **kwargs):  # a batch copied to the device
+        if not non_blocking:
+            count("blocking batch copy")
+        return send(batch, device, non_blocking=non_blocking, **kwargs)
+
+    accelerate.data_loader.send_to_device = counted_send
 
 
 def _record_applied_gradients(optimizer):
@@ -550,6 +610,8 @@ if os.environ.get("ACCELERATE_RECIPES_CPUINFO_CACHE"):
 # launcher itself trains nothing, and importing transformers there would delay every launch by ~1 s.
 if PROBE_DIR and "ACCELERATE_MIXED_PRECISION" in os.environ:
     _install_probes()
+    if os.environ.get("ACCELERATE_RECIPES_PROBE_SYNCS") == "1":
+        _count_host_syncs()
 if os.environ.get("ACCELERATE_RECIPES_SLOW_EVAL") and "ACCELERATE_MIXED_PRECISION" in os.environ:
     _slow_eval(float(os.environ["ACCELERATE_RECIPES_SLOW_EVAL"]))
 if FAULT:

@@ -182,5 +182,5 @@ def streamed_batches(accelerator, loader, skip: int = 0):
             if skip:
                 skip -= 1
                 continue
-            yield send_to_device(batch, accelerator.device)
+            yield send_to_device(batch, accelerator.device, non_blocking=True)  # from pinned memory
         epoch += 1
