@@ -422,3 +422,23 @@ def test_a_sample_from_a_compiled_model_runs_eagerly():
     assert counters["stats"]["calls_captured"] == before and isinstance(text, str)
     model(input_ids=torch.tensor([[5, 6, 7, 8]]))  # the compiled regions outside the sample: compiled
     assert counters["stats"]["calls_captured"] > before
+
+
+@pytest.mark.quick
+def test_a_sample_from_a_model_wider_than_its_tokenizer_draws_only_ids_it_can_decode():
+    """An embedding wider than the tokenizer (padded, or made for another one): its untrained rows
+    must not be drawn. A random debug model with 131,072 rows and the 259-id byte tokenizer drew them
+    first (the top 200 of 131,072 random logits), and the byte tokenizer's decode then raised at the
+    end of the run, before the export (found by scripts/gpu_check.py's 128k-vocabulary rows)."""
+    from accelerate import Accelerator
+
+    from common.data import build_tokenizer
+    from common.model import build_model
+    from train_extras.observe.sampling import sample_text
+    from train_extras.options import TrainConfig
+
+    tokenizer = build_tokenizer(TrainConfig())
+    torch.manual_seed(0)
+    model = build_model(TrainConfig(preset="debug"), 131072)
+    text = sample_text(Accelerator(cpu=True), model, tokenizer, "\n", max_new_tokens=16, seed=0)
+    assert text.startswith("\n") and len(text) > 1  # before: ValueError, bytes must be in range(0, 256)

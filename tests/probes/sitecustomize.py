@@ -241,7 +241,8 @@ def _count_host_syncs():
 
     def site(depth: int) -> str | None:
         frame = sys._getframe(depth)
-        while frame is not None and frame.f_code.co_filename.startswith(torch_dir):
+        while frame is not None and (frame.f_code.co_filename.startswith(torch_dir)
+                                     or frame.f_code.co_filename.endswith("/warnings.py")):
             frame = frame.f_back
         if frame is None or frame.f_code.co_filename == __file__:
             return None  # the probes' own reads are not the run's
@@ -276,6 +277,20 @@ def _count_host_syncs():
         return send(batch, device, non_blocking=non_blocking, **kwargs)
 
     accelerate.data_loader.send_to_device = counted_send
+    if torch.cuda.is_available():  # and what CUDA itself sees wait (the GPU check): each at its site
+        import warnings
+
+        torch.cuda.set_sync_debug_mode("warn")
+        warnings.filterwarnings("always", message=".*called a synchronizing CUDA operation")
+        show = warnings.showwarning
+
+        def counted_warning(message, category, filename, lineno, *args, **kwargs):
+            if "synchronizing CUDA operation" in str(message):
+                count("cuda sync")
+            else:
+                show(message, category, filename, lineno, *args, **kwargs)
+
+        warnings.showwarning = counted_warning
 
 
 def _record_applied_gradients(optimizer):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from common.export import unwrap
 
@@ -22,6 +22,19 @@ class _StopWhen(StoppingCriteria):
         if not self.stopped and self.tokens % STOP_CHECK_EVERY == 0:
             self.stopped = bool(self.stop())
         return torch.full((input_ids.shape[0],), self.stopped, dtype=torch.bool, device=input_ids.device)
+
+
+class _TokenizerIdsOnly(LogitsProcessor):
+    """Never draws an id the tokenizer cannot decode: a model's embedding is often wider than its
+    tokenizer (padded to a multiple of 64 or 128, or a vocabulary made for another tokenizer), and an
+    untrained row there can win the draw (a byte tokenizer then fails to decode it)."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __call__(self, input_ids, scores):
+        scores[:, self.size:] = -float("inf")
+        return scores
 
 
 @torch.no_grad()
@@ -54,6 +67,7 @@ def sample_text(accelerator, model: nn.Module, tokenizer, prompt: str, max_new_t
             # ZeRO-3: a rank that stopped early must keep joining the others' parameter gathers
             synced_gpus=accelerator.distributed_type == DistributedType.DEEPSPEED and accelerator.num_processes > 1,
             stopping_criteria=StoppingCriteriaList([stopping] if stopping else []),
+            logits_processor=LogitsProcessorList([_TokenizerIdsOnly(len(tokenizer))]),
         )
     unwrapped.train(was_training)
     if stopping is not None and stopping.stopped:
