@@ -444,3 +444,39 @@ def test_a_stream_without_a_micro_batch_on_some_rank_stops_every_rank(hf_cache, 
     with pytest.raises(ConfigError, match=r"rank\(s\) 1, 2 \(of 3\) holds no full micro-batch of 3 blocks"):
         first_batch(fits, [0, 0])  # this rank has its batch, ranks 1 and 2 have none: it stops as they do
     assert first_batch(fits, [1])["input_ids"].shape == (3, 64)
+
+
+def test_streaming_tokenises_in_the_dataloader_workers_into_the_same_blocks(hf_cache, tmp_path, monkeypatch):
+    """--num_workers 2 with --streaming: two worker processes tokenise every other document each, and
+    the blocks (ids and restarted positions) are exactly those of no workers, in the same order. A
+    worker's ConfigError (a column that is not there) is still one line."""
+    import os
+
+    from train_extras.data import at_scale
+
+    corpus = corpus_file(120)
+    args = ["--data_files", corpus, "--eval_data_files", corpus, "--streaming", "--seq_len", "64"]
+    cfg = parse(TrainConfig, args, recipe="train.py")
+    tokenizer = data.build_tokenizer(cfg)
+
+    def blocks(workers: int) -> list:
+        stream = at_scale.StreamedBlocks(dataclasses.replace(cfg, num_workers=workers), tokenizer, 1, 2)
+        return [(b["input_ids"].tolist(), b["position_ids"].tolist(), b["index"]) for b in stream]
+
+    alone = blocks(0)
+    tokenized, marks = at_scale.StreamedBlocks.tokenized, tmp_path / "calls"
+    marks.mkdir()
+
+    def recorded(self, share=0, shares=1):
+        (marks / f"{os.getpid()}-{share}-{shares}").touch()
+        yield from tokenized(self, share, shares)
+
+    monkeypatch.setattr(at_scale.StreamedBlocks, "tokenized", recorded)
+    assert blocks(2) == alone and len(alone) > 100
+    calls = [name.split("-") for name in sorted(p.name for p in marks.iterdir())]
+    assert sorted(share for _, share, _ in calls) == ["0", "1"] and {n for _, _, n in calls} == {"2"}
+    assert str(os.getpid()) not in {pid for pid, _, _ in calls}  # in the workers, not here
+    wrong = at_scale.StreamedBlocks(dataclasses.replace(cfg, num_workers=2, text_column="body"), tokenizer, 0, 1)
+    with pytest.raises(ConfigError) as err:
+        next(iter(wrong))
+    assert str(err.value) == "streamed rows have no column 'body' (columns: ['text']); set --text_column"

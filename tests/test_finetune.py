@@ -190,9 +190,10 @@ def test_a_streamed_run_trains_each_rank_on_its_own_documents(streamed_run):
 
 
 def test_a_streamed_run_resumes_exactly_by_reading_up_to_its_place(tmp_path, hf_home, streamed_run, stream_args):
+    """Resumed with 2 DataLoader workers per rank tokenising the stream (the run had none): the same blocks."""
     out = tmp_path / "resumed"
     args = stream_args + ["--resume_from_checkpoint", str(streamed_run.output_dir / "checkpoints" / "step_10"),
-                          "--output_dir", str(out)]
+                          "--num_workers", "2", "--output_dir", str(out)]
     resumed = Run(out, launch_two_processes("train.py", "ddp.yaml", args, hf_home))
     full = {row["step"]: row["loss"] for row in streamed_run.summary["losses"]}
     assert {row["step"]: row["loss"] for row in resumed.summary["losses"]} == {s: full[s] for s in range(11, 21)}

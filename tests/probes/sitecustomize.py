@@ -172,7 +172,8 @@ def _install_probes():
         batches = plain_iter(self)
         if not isinstance(self.dataset, IterableDataset) or isinstance(self, DataLoaderShard):
             return batches
-        return ((record("stream_rows", [zlib.crc32(row.numpy().tobytes()) for row in batch["input_ids"]]), batch)[1]
+        return ((record("stream_rows", [zlib.crc32(row.numpy().tobytes()) for row in batch["input_ids"]])
+                 if isinstance(batch, dict) else None, batch)[1]  # (not the tokenising workers' documents)
                 for batch in batches)
 
     DataLoader.__iter__ = probed_plain_iter

@@ -122,22 +122,45 @@ class StreamedBlocks(IterableDataset):
         ds = split_dataset_by_node(ds, rank=self.rank, world_size=self.world_size)
         ds = ds.shuffle(seed=cfg.seed, buffer_size=SHUFFLE_BUFFER)
         ds.set_epoch(self.epoch)
-        for row in ds:
-            if cfg.text_column not in row:
-                raise ConfigError(f"streamed rows have no column {cfg.text_column!r} (columns: {sorted(row)}); "
+        # In batches, not `for row in ds`: inside a DataLoader worker that would split the stream by worker
+        # itself (by shards: a one-file corpus would go to worker 0 alone); tokenized() takes its share.
+        for batch in ds.iter(batch_size=256):
+            if cfg.text_column not in batch:
+                raise ConfigError(f"streamed rows have no column {cfg.text_column!r} (columns: {sorted(batch)}); "
                                   "set --text_column")
-            text = row[cfg.text_column]
-            if text is not None and not isinstance(text, str):
-                raise ConfigError(f"{', '.join(cfg.data_files or [cfg.dataset_name])}: column {cfg.text_column!r} "
-                                  f"holds {type(text).__name__} values, not text: set --text_column")
-            if isinstance(text, str) and text.strip():  # empty and null texts are no documents, as when not streamed
-                yield text
+            for text in batch[cfg.text_column]:
+                if text is not None and not isinstance(text, str):
+                    raise ConfigError(f"{', '.join(cfg.data_files or [cfg.dataset_name])}: column "
+                                      f"{cfg.text_column!r} holds {type(text).__name__} values, not text: set "
+                                      "--text_column")
+                if isinstance(text, str) and text.strip():  # empty and null texts: no documents, as unstreamed
+                    yield text
+
+    def tokenized(self, share: int = 0, shares: int = 1):
+        """Documents share, share + shares, ... of the stream, tokenised with their BOS/EOS."""
+        for i, text in enumerate(self.documents()):
+            if i % shares == share:
+                yield self.head + self.tokenizer(text, add_special_tokens=False)["input_ids"] + self.tail
+
+    def tokenized_in_workers(self):
+        """The stream's documents tokenised, in stream order: alone, here; with --num_workers N, by N
+        DataLoader workers, each reading the stream and tokenising every N-th document. The loader
+        hands their documents back in turn (worker 0's first, worker 1's first, ...), which is stream
+        order: the blocks are the same whatever N (a checkpoint resumes under any), only faster."""
+        if not self.cfg.num_workers:
+            yield from self.tokenized()
+            return
+        loader = DataLoader(_WorkerShare(self), batch_size=None, num_workers=self.cfg.num_workers)
+        for ids in loader:
+            if isinstance(ids, str):  # a worker's ConfigError, as its one line (not the loader's wrapped traceback)
+                raise ConfigError(ids)
+            yield ids.tolist()
 
     def __iter__(self):
         block_len, pending, starts, made = self.cfg.seq_len + 1, [], [], 0  # starts: of documents, in pending
-        for text in self.documents():
+        for ids in self.tokenized_in_workers():
             starts.append(len(pending))
-            pending.extend(self.head + self.tokenizer(text, add_special_tokens=False)["input_ids"] + self.tail)
+            pending.extend(ids)
             while len(pending) >= block_len:
                 block = torch.from_numpy(np.asarray(pending[:block_len], dtype=np.int64))
                 item = {"input_ids": block[:-1], "labels": block[1:], "index": self.rank + self.world_size * made}
@@ -148,6 +171,22 @@ class StreamedBlocks(IterableDataset):
                 starts = [0] + [start - block_len for start in starts if start > block_len]
                 yield item
                 made += 1
+
+
+class _WorkerShare(IterableDataset):
+    """In DataLoader worker w of N: the tokenised documents w, w + N, ... of a StreamedBlocks' stream
+    (as int64 arrays; a ConfigError as its message, for the main process to raise)."""
+
+    def __init__(self, blocks: StreamedBlocks):
+        self.blocks = blocks
+
+    def __iter__(self):
+        worker = torch.utils.data.get_worker_info()
+        try:
+            for ids in self.blocks.tokenized(worker.id, worker.num_workers):
+                yield np.asarray(ids, dtype=np.int64)
+        except ConfigError as err:
+            yield str(err)
 
 
 def streamed_loaders(cfg, train: StreamedBlocks, held_out, pin_memory: bool):
