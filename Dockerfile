@@ -47,8 +47,13 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HF_HOME=/hf_home \
     PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
-    TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300 \
+    TORCH_EXTENSIONS_DIR=/hf_home/torch_extensions
 # HF_HOME: models, datasets and the tokenised-data cache on a volume, kept between runs.
+# TORCH_EXTENSIONS_DIR: DeepSpeed's ops (CPU Adam for ZeRO offload), compiled at first use on the machine
+# that runs them and kept on the same volume for every later container there. Not built into the image:
+# DeepSpeed compiles them with -march=native and the SIMD width of the CPU it builds on, so ops built on
+# the image's build machine could hit illegal instructions on another CPU (docs/clusters.md#docker).
 # PET_SIGNALS_TO_HANDLE: torchelastic (accelerate launch with several processes) forwards SIGUSR1
 # to the workers too (`docker kill -s USR1` = checkpoint and stop). TORCH_ELASTIC_SHUTDOWN_TIMEOUT:
 # seconds the workers get to save after a forwarded signal before torchelastic SIGKILLs them
