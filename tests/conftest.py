@@ -60,6 +60,10 @@ def launch_env(hf_home: Path) -> dict:
         TOKENIZERS_PARALLELISM="false",
         PYTHONUNBUFFERED="1",
         PYTHONFAULTHANDLER="1",  # a hung launch's processes print their stacks (run_showing_stacks_on_timeout)
+        # The warm processes fork each run after importing pyarrow, whose jemalloc starts a background
+        # thread: a lock it holds at a fork stays held in the child (jemalloc issues 1805, 2019, 2402: rare
+        # deadlocks after fork). Off, the warm processes fork from one thread of jemalloc's fewer.
+        JE_ARROW_MALLOC_CONF="background_thread:false",
         # The checkout under test first (not whatever copy of the package is installed), then the probes.
         PYTHONPATH=os.pathsep.join([str(ROOT), str(PROBES)]),
         ACCELERATE_RECIPES_CPUINFO_CACHE=str(hf_home / "cpuinfo.json"),  # see tests/probes/sitecustomize.py
