@@ -35,7 +35,8 @@ import torch
 # End new
 from accelerate import Accelerator
 # New: accumulation that syncs on a micro-batch count (not at epoch ends).
-from accelerate.utils import DistributedType, GradientAccumulationPlugin, parse_flag_from_env, set_seed
+from accelerate.utils import (DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin,
+                               parse_flag_from_env, set_seed)
 # End new
 from tqdm.auto import tqdm
 
@@ -64,15 +65,16 @@ def main(argv=None):
     if cfg.save_model:  # a model/ that the export may not replace: refused now, not after training
         check_replaceable(Path(cfg.output_dir) / "model")
 
-    # Mixed precision, device and process count come from the launch config. The LR schedule is
-    # stepped by us once per optimizer step (accelerate would step it world_size times).
+    # Mixed precision, device and process count come from the launch config. The LR schedule is ours to
+    # step (accelerate steps it world_size times); batches are copied from pinned memory without a wait.
     # New: every strategy; accumulation counted in micro-batches, so an epoch boundary inside an
     # accumulation window does not force an early optimizer step.
     # Under FSDP2, gradients are reduce-scattered every micro-batch: each rank keeps a shard's gradient
     # between micro-batches, not the whole model's unsharded one (no_sync's way, one reduction a step).
     plugin = GradientAccumulationPlugin(num_steps=cfg.gradient_accumulation_steps, sync_with_dataloader=False,
                                         sync_each_batch=parse_flag_from_env("ACCELERATE_USE_FSDP"))
-    accelerator = Accelerator(step_scheduler_with_optimizer=False, gradient_accumulation_plugin=plugin)
+    accelerator = Accelerator(step_scheduler_with_optimizer=False, gradient_accumulation_plugin=plugin,
+                              dataloader_config=DataLoaderConfiguration(non_blocking=True))
     guard.check_launch(accelerator, Path(__file__).name, supports=("single", "ddp", "fsdp", "deepspeed"))
     if accelerator.distributed_type == DistributedType.DEEPSPEED:  # DeepSpeed clips inside its own step
         accelerator.state.deepspeed_plugin.deepspeed_config["gradient_clipping"] = cfg.max_grad_norm

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DataLoaderConfiguration, set_seed
 from tqdm.auto import tqdm
 
 from common import config, data, guard
@@ -39,9 +39,10 @@ def main(argv=None):
     if cfg.save_model:  # a model/ that the export may not replace: refused now, not after training
         check_replaceable(Path(cfg.output_dir) / "model")
 
-    # Mixed precision, device and process count come from the launch config. The LR schedule is
-    # stepped by us once per optimizer step (accelerate would step it world_size times).
-    accelerator = Accelerator(step_scheduler_with_optimizer=False)
+    # Mixed precision, device and process count come from the launch config. The LR schedule is ours to
+    # step (accelerate steps it world_size times); batches are copied from pinned memory without a wait.
+    accelerator = Accelerator(step_scheduler_with_optimizer=False,
+                              dataloader_config=DataLoaderConfiguration(non_blocking=True))
     guard.check_launch(accelerator, Path(__file__).name, supports=("single",))
     if accelerator.mixed_precision == "fp16":
         raise config.ConfigError(f"{Path(__file__).name} does not handle fp16 loss scaling; use fp16_scaler.py")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from accelerate import Accelerator
 # New: DDP's bucket setting.
-from accelerate.utils import DistributedDataParallelKwargs, set_seed
+from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, set_seed
 # End new
 from tqdm.auto import tqdm
 
@@ -49,12 +49,14 @@ def main(argv=None):
     if cfg.save_model:  # a model/ that the export may not replace: refused now, not after training
         check_replaceable(Path(cfg.output_dir) / "model")
 
-    # Mixed precision, device and process count come from the launch config. The LR schedule is
-    # stepped by us once per optimizer step (accelerate would step it world_size times).
+    # Mixed precision, device and process count come from the launch config. The LR schedule is ours to
+    # step (accelerate steps it world_size times); batches are copied from pinned memory without a wait.
     # New: DDP (MULTI_GPU, or MULTI_CPU on CPUs; one process is plain training). Gradients are
     # views into DDP's all-reduce buckets: one gradient-sized copy less (4 bytes/parameter).
     ddp_kwargs = DistributedDataParallelKwargs(gradient_as_bucket_view=True)
-    accelerator = Accelerator(step_scheduler_with_optimizer=False, kwargs_handlers=[ddp_kwargs])
+    accelerator = Accelerator(step_scheduler_with_optimizer=False,
+                              dataloader_config=DataLoaderConfiguration(non_blocking=True),
+                              kwargs_handlers=[ddp_kwargs])
     guard.check_launch(accelerator, Path(__file__).name, supports=("single", "ddp"))
     # End new
     if accelerator.mixed_precision == "fp16":

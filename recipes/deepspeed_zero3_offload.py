@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DataLoaderConfiguration, set_seed
 from tqdm.auto import tqdm
 
 from common import config, data, guard
@@ -67,9 +67,10 @@ def main(argv=None):
     if cfg.save_model:  # a model/ that the export may not replace: refused now, not after training
         check_replaceable(Path(cfg.output_dir) / "model")
 
-    # Mixed precision, device and process count come from the launch config. The LR schedule is
-    # stepped by us once per optimizer step (accelerate would step it world_size times).
-    accelerator = Accelerator(step_scheduler_with_optimizer=False)
+    # Mixed precision, device and process count come from the launch config. The LR schedule is ours to
+    # step (accelerate steps it world_size times); batches are copied from pinned memory without a wait.
+    accelerator = Accelerator(step_scheduler_with_optimizer=False,
+                              dataloader_config=DataLoaderConfiguration(non_blocking=True))
     # New: DeepSpeed ZeRO-3 only. DeepSpeed clips inside its own step, at `gradient_clipping` of its
     # config, which accelerate fills with 1.0 when the JSON says "auto": set it to --max_grad_norm
     # (0 = off) before prepare builds the engine; a JSON with another number is refused.

@@ -39,7 +39,7 @@ from accelerate import FullyShardedDataParallelPlugin
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 # End new
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DataLoaderConfiguration, set_seed
 from tqdm.auto import tqdm
 
 from common import config, data, guard
@@ -73,8 +73,8 @@ def main(argv=None):
     if cfg.save_model:  # a model/ that the export may not replace: refused now, not after training
         check_replaceable(Path(cfg.output_dir) / "model")
 
-    # Mixed precision, device and process count come from the launch config. The LR schedule is
-    # stepped by us once per optimizer step (accelerate would step it world_size times).
+    # Mixed precision, device and process count come from the launch config. The LR schedule is ours to
+    # step (accelerate steps it world_size times); batches are copied from pinned memory without a wait.
     # New: FSDP2 from the launch config (fsdp.yaml), plus the two policies its YAML cannot express.
     # Mixed precision: compute in bf16/fp16 copies of the weights, but reduce-scatter gradients in
     # fp32 (accelerate would reduce in the compute dtype, summing N ranks' contributions with an
@@ -83,6 +83,7 @@ def main(argv=None):
     # always pins, and pinning fails without one). Shard units: accelerate wraps every block of
     # the model's own class (its _no_split_modules: LlamaDecoderLayer, GPT2Block...) and the root.
     accelerator = Accelerator(step_scheduler_with_optimizer=False,
+                              dataloader_config=DataLoaderConfiguration(non_blocking=True),
                               fsdp_plugin=FullyShardedDataParallelPlugin(**fsdp_policies()))
     guard.check_launch(accelerator, Path(__file__).name, supports=("fsdp",))
     if not accelerator.state.fsdp_plugin.reshard_after_forward:

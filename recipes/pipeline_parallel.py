@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DataLoaderConfiguration, set_seed
 from tqdm.auto import tqdm
 
 from common import config, data, guard
@@ -73,9 +73,10 @@ def main(argv=None):
     if cfg.save_model:  # a model/ that the export may not replace: refused now, not after training
         check_replaceable(Path(cfg.output_dir) / "model")
 
-    # Mixed precision, device and process count come from the launch config. The LR schedule is
-    # stepped by us once per optimizer step (accelerate would step it world_size times).
-    accelerator = Accelerator(step_scheduler_with_optimizer=False)
+    # Mixed precision, device and process count come from the launch config. The LR schedule is ours to
+    # step (accelerate steps it world_size times); batches are copied from pinned memory without a wait.
+    accelerator = Accelerator(step_scheduler_with_optimizer=False,
+                              dataloader_config=DataLoaderConfiguration(non_blocking=True))
     # New: every rank a stage: at least 2 processes, no more than the model's layers
     guard.check_launch(accelerator, Path(__file__).name, supports=("ddp",))
     model_cfg = modeling.model_config(cfg)

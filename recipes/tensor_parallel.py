@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DataLoaderConfiguration, set_seed
 from tqdm.auto import tqdm
 
 from common import config, data, guard
@@ -70,9 +70,10 @@ def main(argv=None):
     tensor_parallel.check_launch_sizes(Path(__file__).name)
     # End new
 
-    # Mixed precision, device and process count come from the launch config. The LR schedule is
-    # stepped by us once per optimizer step (accelerate would step it world_size times).
-    accelerator = Accelerator(step_scheduler_with_optimizer=False)
+    # Mixed precision, device and process count come from the launch config. The LR schedule is ours to
+    # step (accelerate steps it world_size times); batches are copied from pinned memory without a wait.
+    accelerator = Accelerator(step_scheduler_with_optimizer=False,
+                              dataloader_config=DataLoaderConfiguration(non_blocking=True))
     # New: the mesh comes from the config's parallelism_config; TP alone (2D is train.py's). fp16 is refused.
     guard.check_launch(accelerator, Path(__file__).name, supports=("tp",))
     tp_size = config.tensor_parallel_size(accelerator)  # = the world size (accelerate checks the mesh's total)
