@@ -149,7 +149,7 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def planned_runs(args) -> list[tuple[str, str, str]]:
+def planned_runs(args) -> list[Run]:
     runs = [run for run in RUNS if not args.single_process_only or run.config in SINGLE_PROCESS_CONFIGS]
     if args.only:
         bad = [n for n in args.only if not 1 <= n <= len(runs)]
