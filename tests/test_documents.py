@@ -72,22 +72,31 @@ def test_the_template_markers_and_the_prefix_differences_agree(chat):
         assert by_markers == independent_render(tokenizer, messages)
 
 
+def messages_of(source_rows) -> list[list[dict]]:
+    """formats.py's conversations (JSON text) as message lists."""
+    return [json.loads(example)["messages"] for example in source_rows["messages"]]
+
+
+PACKINGS = {"concatenate": ["--packing_strategy", "concatenate"], "best_fit": [], "rows": ["--packing", "false"]}
+
+
 @pytest.mark.quick
-@pytest.mark.parametrize("packing", [True, False])
+@pytest.mark.parametrize("packing", list(PACKINGS))
 def test_labels_are_minus_100_exactly_where_the_next_token_is_not_the_assistants(chat, packing):
-    """Token by token over the whole training set: every block (packed) or row (one per
-    conversation) against the independent render of the conversations in the training split."""
+    """Token by token over the whole training set: every block (concatenated), row of whole
+    conversations (best fit, the default) or row of one conversation against the independent render
+    of the conversations in the training split."""
     cfg, tokenizer, built = build(["--tokenizer_name_or_path", chat["tokenizer"], "--data_files", chat["data"],
-                                   "--seq_len", str(SEQ), "--packing", str(packing).lower()])
+                                   "--seq_len", str(SEQ), *PACKINGS[packing]])
     assert built.kind == "conversations"
     source = formats.load_source(cfg)
-    rendered = [independent_render(tokenizer, render.clean(m)) for m in source.train["messages"]]
+    rendered = [independent_render(tokenizer, m) for m in messages_of(source.train)]
     kept = [(ids, mask) for ids, mask in rendered if len(ids) <= SEQ + 1]  # --overlong drop (the default)
     assert built.facts["conversations"] == {"kept": len(kept), "truncated": 0,
                                             "dropped_overlong": len(rendered) - len(kept),
                                             "dropped_no_assistant_token": 0}
     assert 0 < len(rendered) - len(kept) < len(kept)  # some were dropped, most kept
-    if packing:
+    if packing == "concatenate":
         stream = np.concatenate([ids for ids, _ in kept])
         targets = np.concatenate([mask for _, mask in kept])
         assert len(built.train) == len(stream) // (SEQ + 1)
@@ -97,6 +106,25 @@ def test_labels_are_minus_100_exactly_where_the_next_token_is_not_the_assistants
             item = built.train[index]
             assert item["input_ids"].tolist() == stream[block][:-1].tolist()
             assert item["labels"].tolist() == expected.tolist(), index
+    elif packing == "best_fit":  # each conversation whole in one row, found there by its positions
+        pool = {}
+        for ids, mask in kept:  # a conversation's inputs and labels; its last token predicts nothing
+            labels = [t if m else -100 for t, m in zip(ids[1:], mask[1:])] + [-100]
+            pool.setdefault(tuple(ids), []).append(labels)
+        pad = tokenizer.pad_token_id
+        for index in range(len(built.train)):
+            item = built.train[index]
+            positions, ids, labels = item["position_ids"].tolist(), item["input_ids"].tolist(), item["labels"].tolist()
+            starts = [t for t, p in enumerate(positions) if p == 0] + [SEQ]
+            for a, b in zip(starts, starts[1:]):
+                if set(ids[a:b]) == {pad}:  # the row's padding: never a label
+                    assert set(labels[a:b]) == {-100}
+                    continue
+                # the row's last conversation may end on the block's last token, which is a label only
+                full = next(key for key in (tuple(ids[a:b]), tuple(ids[a:b] + [labels[b - 1]])) if pool.get(key))
+                assert pool[full].pop()[: b - a] == labels[a:b], index
+        assert not any(pool.values())  # every conversation exactly once
+        assert built.facts["rows"]["examples"] == len(kept)
     else:
         assert len(built.train) == len(kept)
         for index, (ids, mask) in enumerate(kept):
@@ -106,6 +134,29 @@ def test_labels_are_minus_100_exactly_where_the_next_token_is_not_the_assistants
     # the held-out conversations are scored on the assistant's tokens only, too
     held_out = built.held_out[""][0]
     assert (held_out["labels"] == -100).any() and (held_out["labels"] != -100).any()
+
+
+@pytest.mark.quick
+def test_best_fit_keeps_every_example_whole_and_pads_little():
+    """400 examples of 32-242 tokens (log-normal, median 87: a chat set's shape) in rows of 257
+    (--seq_len 256): concatenated, 151 are cut at a block's edge; best fit puts each whole in one row,
+    in 155 rows where 154 is the least any packing could use (1.1% padding)."""
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(np.log(90), 0.5, size=400).astype(np.int64), 32, 242)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    rows = packing.FittedRows(np.ones(int(lengths.sum()), dtype=np.uint16), starts, lengths, 256, pad_id=0)
+    placed = sorted(i for row in rows.rows for i in row)
+    assert placed == list(range(400)) and all(lengths[row].sum() <= 257 for row in rows.rows)
+    assert (len(rows), rows.used, int(lengths.sum())) == (155, 39389, 39389)
+    assert packing.describe_rows(rows, parse_train(["--seq_len", "256"]))["rows"]["padding_share"] == pytest.approx(
+        1 - 39389 / (155 * 257))  # 1.1%
+    whole_in_a_block = sum(start // 257 == (start + n - 1) // 257 for start, n in zip(starts, lengths))
+    assert whole_in_a_block == 249  # concatenated: the other 151 are split over two blocks
+    item = rows[0]  # a row's labels: none across an example's edge, none on the padding
+    first = rows.rows[0]
+    edges = np.cumsum(lengths[first])
+    assert item["labels"][edges[:-1] - 1].tolist() == [-100] * (len(first) - 1)
+    assert item["position_ids"][edges[:-1]].tolist() == [0] * (len(first) - 1)
 
 
 @pytest.mark.quick
@@ -197,7 +248,7 @@ def chat_forms(folder, talks: list[list[dict]]) -> dict:
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("packing", [True, False])
+@pytest.mark.parametrize("packing", ["true", "false"])
 def test_sharegpt_and_content_parts_train_exactly_as_the_same_messages(chat, tmp_path, packing):
     """Token by token, every training and held-out row (input ids, labels, positions) of the
     ShareGPT and content-parts files equals that of the same conversations written as messages
@@ -207,7 +258,7 @@ def test_sharegpt_and_content_parts_train_exactly_as_the_same_messages(chat, tmp
         talks[i] = talks[i][:3] + [{"role": "tool", "content": "toy tool output."}] + talks[i][3:]
     paths = chat_forms(tmp_path, talks)
     built = {name: build(["--tokenizer_name_or_path", chat["tokenizer"], "--data_files", str(path),
-                          "--seq_len", str(SEQ), "--packing", str(packing).lower(), "--eval_fraction", "0.2"])
+                          "--seq_len", str(SEQ), "--packing", packing, "--eval_fraction", "0.2"])
              for name, path in paths.items()}
     cfg, tokenizer, reference = built["messages"]
     assert reference.kind == "conversations" and reference.facts["conversations"]["kept"] > 40
@@ -222,9 +273,9 @@ def test_sharegpt_and_content_parts_train_exactly_as_the_same_messages(chat, tmp
     # the normalised conversations are the messages themselves, and render as the template lays them out
     source = formats.load_source(parse_train(["--tokenizer_name_or_path", chat["tokenizer"], "--data_files",
                                               str(paths["sharegpt"]), "--seq_len", str(SEQ)]))
-    for row, messages in zip(source.train["row"], source.train["messages"]):
-        assert render.clean(messages) == talks[row]
-        assert render.by_markers(tokenizer, render.clean(messages)) == independent_render(tokenizer, talks[row])
+    for row, messages in zip(source.train["row"], messages_of(source.train)):
+        assert messages == talks[row]
+        assert render.by_markers(tokenizer, messages) == independent_render(tokenizer, talks[row])
 
 
 @pytest.mark.quick

@@ -155,6 +155,18 @@ class DocumentOptions:
     overlong: Literal["drop", "truncate"] = field(
         default="drop", metadata={"help": "A conversation longer than --seq_len + 1 tokens: left out, or cut to it "
                                           "(either is counted in the setup block)."})
+    packing_strategy: Literal["auto", "best_fit", "concatenate"] = field(
+        default="auto", metadata={"help": "How examples are packed into rows of --seq_len + 1 tokens: best_fit "
+                                          "(best-fit decreasing: each example whole in one row, the rest padding) "
+                                          "or concatenate (one stream cut into full blocks: no padding, examples "
+                                          "split at block edges). auto = best_fit for conversations, "
+                                          "prompt/completion pairs and mixtures, concatenate for text."})
+    completion_only_loss: bool = field(
+        default=True, metadata={"help": "prompt/completion text: the loss on the completion (and its EOS) only; "
+                                        "false = on the whole text."})
+    last_turn_only: bool = field(
+        default=False, metadata={"help": "Conversations: the loss on the last assistant turn only; the earlier "
+                                         "turns are context."})
     document_mask: Literal["auto", "true", "false"] = field(
         default="auto", metadata={"help": "Packing: keep each document of a block apart from the others (positions "
                                           "restart; attention masked; recurrent and convolutional state restarted "
@@ -186,6 +198,10 @@ class DocumentOptions:
         if self.streaming and (self.data_mixture or self.chat_column or self.chat_template):
             raise ConfigError("--streaming streams text from one source: not with --data_mixture, --chat_column or "
                               "--chat_template")
+        if self.packing_strategy != "auto" and not self.packing:
+            raise ConfigError(f"--packing_strategy {self.packing_strategy} packs examples: not with --packing false")
+        if self.streaming and self.packing_strategy == "best_fit":
+            raise ConfigError("--streaming concatenates the stream into blocks: not with --packing_strategy best_fit")
         flash = "flash" in self.attn_implementation  # flash_attention_2/3, kernels-community/flash-attn...
         if flash and self.document_mask != "false" and self.packing and self.micro_batch_size > 1:
             raise ConfigError(f"--attn_implementation {self.attn_implementation} keeps packed documents apart only "

@@ -33,7 +33,7 @@ UNDRAWN = 0.5  # a source with less than this share of its documents drawn per e
 class Datasets:
     train: Dataset
     held_out: dict  # {source name: dataset}; one source: {"": dataset}
-    kind: str  # "text", "conversations" or "mixed"
+    kind: str  # "text", "completions", "conversations" or "mixed"
     facts: dict  # conversations' fates, a mixture's shares: the setup block and run_summary.json
 
 
@@ -48,8 +48,9 @@ def build(cfg, tokenizer, num_proc: int | None = None) -> Datasets:
                                    lambda row: source.where(False, row))
     held_out, _ = render.tokenize(source.held_out, source.kind, tokenizer, cfg, "eval", num_proc,
                                   lambda row: source.where(True, row))
-    datasets = Datasets(packing.as_dataset(train, tokenizer, cfg), {"": packing.as_dataset(held_out, tokenizer, cfg)},
-                        source.kind, {"conversations": fates} if fates else {})
+    train_set = packing.as_dataset(train, tokenizer, cfg, source.kind)
+    datasets = Datasets(train_set, {"": packing.as_dataset(held_out, tokenizer, cfg, source.kind)}, source.kind,
+                        {**({source.kind: fates} if fates else {}), **packing.describe_rows(train_set, cfg)})
     packing.check_not_empty(cfg, datasets.train, datasets.held_out)
     return datasets
 
@@ -62,6 +63,7 @@ def build_mixture(cfg, template, tokenizer, num_proc: int | None = None) -> Data
     loaded = [formats.load_source(sources.source_config(cfg, source)) for source in spec["sources"]]
     kinds = [source.kind for source in loaded]
     render.apply_template(cfg, template, tokenizer, "conversations" if "conversations" in kinds else "text")
+    kind = kinds[0] if len(set(kinds)) == 1 else "mixed"
     trains, held_out, fates = [], {}, {}
     for i, (source, got) in enumerate(zip(spec["sources"], loaded)):
         name, source_cfg = source["name"], sources.source_config(cfg, source)
@@ -69,12 +71,12 @@ def build_mixture(cfg, template, tokenizer, num_proc: int | None = None) -> Data
                                              lambda row, got=got: got.where(False, row))
         evaluated, _ = render.tokenize(got.held_out, got.kind, tokenizer, source_cfg, f"eval {name}", num_proc,
                                        lambda row, got=got: got.where(True, row))
-        held_out[name] = packing.as_dataset(evaluated, tokenizer, cfg)
+        held_out[name] = packing.as_dataset(evaluated, tokenizer, cfg, kind)
         trains.append(train.map(lambda batch, i=i: {"source": [i] * len(batch["length"])}, batched=True,
                                 desc=f"mark {name}"))
         if train_fates:
-            fates[name] = train_fates
-    if "conversations" in kinds:  # a text source's every token is a target
+            fates.setdefault(got.kind, {})[name] = train_fates
+    if set(kinds) != {"text"}:  # a text source's every token is a target
         trains = [ds if "targets" in ds.column_names else
                   ds.map(lambda batch: {"targets": [[1] * n for n in batch["length"]]}, batched=True, desc="targets")
                   for ds in trains]
@@ -87,9 +89,8 @@ def build_mixture(cfg, template, tokenizer, num_proc: int | None = None) -> Data
     shares = {s["name"]: {"weight": s["weight"] / weights.sum(), "documents": int(n), "available": len(ds),
                           "share": int(n) / max(int(drawn.sum()), 1)}
               for s, n, ds in zip(spec["sources"], drawn, trains)}
-    kind = kinds[0] if len(set(kinds)) == 1 else "mixed"
-    result = Datasets(packing.as_dataset(mixed.remove_columns("source"), tokenizer, cfg), held_out, kind,
-                      {"mixture": shares, **({"conversations": fates} if fates else {})})
+    train_set = packing.as_dataset(mixed.remove_columns("source"), tokenizer, cfg, kind)
+    result = Datasets(train_set, held_out, kind, {"mixture": shares, **fates, **packing.describe_rows(train_set, cfg)})
     packing.check_not_empty(cfg, result.train, result.held_out)
     return result
 
@@ -120,20 +121,26 @@ def describe_mixture(shares: dict) -> dict:
 def describe(facts: dict) -> dict:
     """Lines for the setup block: what happened to the conversations, and a mixture's shares."""
     lines = {}
-    for name, fates in facts.get("conversations", {}).items() if "mixture" in facts else (
-            [("", facts["conversations"])] if "conversations" in facts else []):
-        lines["conversations" + (f" ({name})" if name else "")] = render.describe(fates)
+    for kind in ("conversations", "completions"):
+        for name, fates in facts.get(kind, {}).items() if "mixture" in facts else (
+                [("", facts[kind])] if kind in facts else []):
+            lines[kind + (f" ({name})" if name else "")] = render.describe(fates, kind)
     if "mixture" in facts:
         lines.update(describe_mixture(facts["mixture"]))
+    if "rows" in facts:
+        lines["packing"] = packing.describe_packing(facts["rows"])
     return lines
 
 
 def identity(cfg, tokenizer, kind: str) -> dict:
     """Beyond the files (resume/checkpoint.data_identity): the chat template that rendered
-    conversations (its SHA-256) and what a mixture resolves to; a resume compares both."""
-    template = tokenizer.chat_template if kind != "text" and isinstance(tokenizer.chat_template, str) else None
+    conversations (its SHA-256), what a mixture resolves to and how examples were packed; a resume
+    compares them."""
+    template = (tokenizer.chat_template if kind in ("conversations", "mixed") and isinstance(tokenizer.chat_template, str)
+                else None)
     return {"chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if template else None,
-            "mixture": sources.identity(cfg) if cfg.data_mixture else None}
+            "mixture": sources.identity(cfg) if cfg.data_mixture else None,
+            "packing": packing.strategy(cfg, kind) if cfg.packing else None}
 
 
 STOP_CHECK_EVERY = 4  # held-out batches between two calls of evaluate's `stop`

@@ -1,6 +1,16 @@
-"""Tokenised examples -> the rows the loader yields (docs/data.md): packed into blocks of seq_len + 1
-tokens with document masks, or one example per row; conversations' labels only on the assistant's
-tokens (render.py's targets).
+"""Tokenised examples -> the rows the loader yields (docs/data.md#packing): packed into rows of
+seq_len + 1 tokens with document masks, or one example per row; conversations' and completions'
+labels only on their trained tokens (render.py's targets).
+
+Two ways to pack (--packing_strategy; auto: best_fit for conversations, prompt/completion pairs and
+mixtures, concatenate for text):
+- concatenate: the examples as one token stream cut into blocks. No padding, and an example may
+  be split over two blocks (its second part trained without its beginning in view).
+- best_fit: best-fit decreasing. Examples longest first, each into the row with the least room
+  left that still holds it (a new row when none does); a row's unused end is padding. Every
+  example sits whole in one row. Text documents longer than a row are first cut into row-long
+  pieces (conversations longer than a row were dropped or truncated by --overlong). The rows are
+  a function of the examples' lengths alone: the same on every rank and on resume.
 
 Document masks (--document_mask, auto by default when packing). A packed block holds the end of one
 document and the start of the next; without a mask every token attends to every earlier token of
@@ -10,12 +20,14 @@ transformers builds a block-diagonal causal mask for SDPA and eager attention
 (masking_utils.find_packed_sequence_indices), so no token sees another document and each document
 starts at position 0, as in inference. What else a model's layers need (sequence indices for Mamba
 and convolutions, cumulative lengths, masks made from the positions), and whether they can at all,
-is asked of the model at start-up (train_extras/document_mask.py). Labels are not cut at a boundary:
-the last token of a document (its EOS) still predicts the first of the next, as without a mask.
+is asked of the model at start-up (train_extras/document_mask.py). Concatenated, labels are not cut
+at a boundary: the last token of a document (its EOS) still predicts the first of the next, as
+without a mask. Best fit, they are: each example is trained alone, and the padding is never a label.
 """
 
 from __future__ import annotations
 
+import bisect
 from pathlib import Path
 
 import numpy as np
@@ -85,13 +97,100 @@ def streams(tokenized, tokenizer):
     return tokens, starts, targets
 
 
-def as_dataset(tokenized, tokenizer, cfg):
-    """DocumentBlocks (packing) or DocumentRows of tokenised documents."""
+def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    """Rows of example indices: examples longest first (ties: in order), each into the open row with
+    the least room left that holds it, else into a new row. No example may exceed capacity."""
+    rows: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (room left, row), sorted
+    for index in np.argsort(-lengths, kind="stable").tolist():
+        need = int(lengths[index])
+        at = bisect.bisect_left(room, (need, -1))
+        if at == len(room):
+            rows.append([index])
+            bisect.insort(room, (capacity - need, len(rows) - 1))
+        else:
+            left, row = room.pop(at)
+            rows[row].append(index)
+            bisect.insort(room, (left - need, row))
+    return rows
+
+
+class FittedRows(torch.utils.data.Dataset):
+    """--packing_strategy best_fit: rows of seq_len + 1 tokens, each holding whole examples (the
+    token stream's [starts[e], starts[e] + lengths[e])), right-padded with pad_id. Labels: the next
+    token where it belongs to the same example (and is a target), else -100; position ids (with
+    document masks) restart at each example, and the padding counts from 0 as an example of its own."""
+
+    def __init__(self, stream: np.ndarray, starts: np.ndarray, lengths: np.ndarray, seq_len: int, pad_id: int,
+                 targets: np.ndarray | None = None, positions: bool = True):
+        self.stream, self.targets, self.seq_len, self.pad_id, self.positions = stream, targets, seq_len, pad_id, positions
+        # text documents longer than a row: cut into row-long pieces first
+        pieces = [(int(start + at), int(min(length - at, seq_len + 1)))
+                  for start, length in zip(starts.tolist(), lengths.tolist()) for at in range(0, length, seq_len + 1)]
+        self.piece_starts = np.array([p[0] for p in pieces], dtype=np.int64)
+        self.piece_lengths = np.array([p[1] for p in pieces], dtype=np.int64)
+        self.rows = best_fit_decreasing(self.piece_lengths, seq_len + 1)
+        self.used = sum(int(self.piece_lengths[row].sum()) for row in self.rows)
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        width = self.seq_len + 1
+        tokens = np.full(width, self.pad_id, dtype=np.int64)
+        trained = np.zeros(width, dtype=bool)  # a target that may be a label
+        first = np.zeros(width, dtype=bool)  # an example's first token: not the previous token's label
+        positions = np.zeros(width, dtype=np.int64)
+        at = 0
+        for piece in self.rows[index]:
+            start, length = self.piece_starts[piece], self.piece_lengths[piece]
+            tokens[at: at + length] = self.stream[start: start + length]
+            trained[at: at + length] = True if self.targets is None else self.targets[start: start + length] == 1
+            first[at] = True
+            positions[at: at + length] = np.arange(length)
+            at += length
+        positions[at:] = np.arange(width - at)
+        block = torch.from_numpy(tokens)
+        labels = block[1:].clone()
+        labels[torch.from_numpy(~trained[1:] | first[1:])] = -100
+        item = {"input_ids": block[:-1], "labels": labels, "index": index}
+        if self.positions:
+            item["position_ids"] = torch.from_numpy(positions[:-1])
+        return item
+
+
+def strategy(cfg, kind: str) -> str:
+    """--packing_strategy, auto resolved: best_fit for everything but text."""
+    if cfg.packing_strategy != "auto":
+        return cfg.packing_strategy
+    return "concatenate" if kind == "text" else "best_fit"
+
+
+def as_dataset(tokenized, tokenizer, cfg, kind: str = "text"):
+    """DocumentBlocks (concatenated), FittedRows (best fit) or DocumentRows (--packing false) of
+    tokenised documents."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if not cfg.packing:
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return DocumentRows(tokenized, cfg.seq_len, pad_id)
     tokens, starts, targets = streams(tokenized, tokenizer)
+    if strategy(cfg, kind) == "best_fit":
+        lengths = np.asarray(tokenized["length"], dtype=np.int64)
+        return FittedRows(tokens, starts, lengths, cfg.seq_len, pad_id, targets, cfg.document_mask != "false")
     return DocumentBlocks(tokens, cfg.seq_len, starts if cfg.document_mask != "false" else None, targets)
+
+
+def describe_rows(train, cfg) -> dict:
+    """The facts of a best-fit training set, for the setup block and run_summary.json."""
+    if not isinstance(train, FittedRows):
+        return {}
+    slots = len(train) * (cfg.seq_len + 1)
+    return {"rows": {"strategy": "best_fit", "rows": len(train), "examples": len(train.piece_lengths),
+                     "tokens": train.used, "padding_share": (slots - train.used) / slots if slots else 0.0}}
+
+
+def describe_packing(rows: dict) -> str:
+    return (f"best fit: {rows['examples']} examples whole in {rows['rows']} rows, "
+            f"{rows['padding_share']:.1%} padding")
 
 
 def check_not_empty(cfg, train, held_out: dict) -> None:

@@ -1,6 +1,6 @@
-"""Examples -> token ids and a trained mask (docs/data.md#conversations): text between its bounds
-(common/data.py), or conversations (formats.py's messages) rendered by the tokenizer's chat template
-with the loss on the assistant's tokens only.
+"""Examples -> token ids and a trained mask (docs/data.md#data-formats): text between its bounds
+(common/data.py); prompt/completion text; or conversations (formats.py's messages, with their tool
+schemas) rendered by the tokenizer's chat template with the loss on the assistant's tokens only.
 
 Which tokens are the assistant's: where the template marks them ({% generation %} ... {% endgeneration %},
 read by transformers' return_assistant_tokens_mask), else by rendering the conversation's prefixes
@@ -9,10 +9,17 @@ generation prompt are assistant message i's (its content and the template's end-
 A template whose prefix renders are not prefixes of the whole render cannot be read this way: that
 is one error line. A conversation longer than seq_len + 1 tokens is dropped or truncated
 (--overlong); one left with no assistant token trains nothing and is dropped; both are counted.
+
+prompt/completion: the loss is on what follows the prompt: for text, the completion and an EOS
+(added when the completion does not end with it), everything with --completion_only_loss false;
+for messages, every token after the prompt's render with its generation prompt. Where the prompt's
+tokens are not a prefix of the whole (a merge across the boundary), the loss starts where they part.
+--last_turn_only keeps the loss on the last assistant turn alone (the earlier ones stay as context).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -50,7 +57,7 @@ def apply_template(cfg, template: str | None, tokenizer, kind: str) -> None:
     the data holds conversations. On text it would render nothing and still ship with the model."""
     if template is None:
         return
-    if kind == "text":
+    if kind in ("text", "completions"):
         raise ConfigError(f"--chat_template {cfg.chat_template} renders conversations, and the data holds text only "
                           "(no column of messages or ShareGPT turns was found): drop --chat_template, or name "
                           "the conversations' column with --chat_column")
@@ -63,29 +70,26 @@ def check_template(tokenizer, source: str) -> None:
                           "give one with --chat_template FILE (a Jinja template)")
 
 
-def clean(messages: list[dict]) -> list[dict]:
-    """datasets gives every message every key any message has (None where it has none): drop those."""
-    return [{key: value for key, value in message.items() if value is not None} for message in messages]
-
-
-def by_markers(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+def by_markers(tokenizer, messages: list[dict], tools=None) -> tuple[list[int], list[int]]:
     """(token ids, 1 on the assistant's tokens) from the template's generation markers."""
-    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True)
     return list(out["input_ids"]), list(out["assistant_masks"])
 
 
-def by_prefixes(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """(token ids, 1 on the assistant's tokens) from the differences of the prefixes' renders."""
-    def encode(upto: int, generation_prompt: bool) -> list[int]:
-        text = tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=generation_prompt)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+def encode(tokenizer, messages: list[dict], tools=None, generation_prompt: bool = False) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    ids = encode(len(messages), False)
+
+def by_prefixes(tokenizer, messages: list[dict], tools=None) -> tuple[list[int], list[int]]:
+    """(token ids, 1 on the assistant's tokens) from the differences of the prefixes' renders."""
+    ids = encode(tokenizer, messages, tools)
     mask = [0] * len(ids)
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before, through = encode(i, True), encode(i + 1, False)
+        before, through = encode(tokenizer, messages[:i], tools, True), encode(tokenizer, messages[: i + 1], tools)
         if through[: len(before)] != before or ids[: len(through)] != through:
             raise ConfigError("the chat template renders a conversation's first messages as something that does not "
                               "begin its whole render, so the assistant's tokens cannot be found from the prefixes: "
@@ -94,30 +98,70 @@ def by_prefixes(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
     return ids, mask
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def after_prompt(tokenizer, messages: list[dict], prompt_turns: int, tools=None) -> tuple[list[int], list[int]]:
+    """(token ids, 1 after the prompt): a prompt/completion conversation, the prompt its first messages."""
+    ids = encode(tokenizer, messages, tools)
+    start = common_prefix(encode(tokenizer, messages[:prompt_turns], tools, True), ids)
+    return ids, [0] * start + [1] * (len(ids) - start)
+
+
+def last_turn(mask: list[int]) -> list[int]:
+    """The mask with only its last run of 1s (the last assistant turn) left."""
+    end = len(mask)
+    while end and not mask[end - 1]:
+        end -= 1
+    start = end
+    while start and mask[start - 1]:
+        start -= 1
+    return [0] * start + mask[start:end] + [0] * (len(mask) - end)
+
+
+def completion_tokens(tokenizer, prompt: str, completion: str, completion_only: bool) -> tuple[list[int], list[int]]:
+    """(token ids, 1 on the completion's tokens and its EOS; all 1 unless completion_only): a
+    prompt/completion pair of text, tokenised as the tokenizer does by itself (its own BOS, if any)."""
+    eos = tokenizer.eos_token or ""
+    ids = tokenizer(prompt + completion + ("" if completion.endswith(eos) else eos))["input_ids"]
+    start = common_prefix(tokenizer(prompt)["input_ids"], ids) if completion_only else 0
+    return ids, [0] * start + [1] * (len(ids) - start)
+
+
 def tokenize(docs, kind: str, tokenizer, cfg, name: str, num_proc: int | None, where):
-    """(tokenised examples: input_ids, length and, for conversations, targets; conversations' fates).
-    where(row): the place of a conversation's row in its files, for an error line."""
+    """(tokenised examples: input_ids, length and, for conversations and completions, targets;
+    their fates). where(row): the place of a row in its files, for an error line."""
+    if kind == "text":
+        return data.tokenize_documents(docs, tokenizer, name, cfg, num_proc), None
     if kind == "conversations":
-        return render_conversations(docs, tokenizer, cfg, name, num_proc, where)
-    return data.tokenize_documents(docs, tokenizer, name, cfg, num_proc), None
-
-
-def render_conversations(docs, tokenizer, cfg, name: str, num_proc: int | None, where):
-    """Conversations as (input_ids, targets: 1 on the assistant's tokens, length), cached by
-    `datasets`; returns them and the count of each fate (FATES)."""
-    check_template(tokenizer, name)
-    markers = tokenizer.is_fast and GENERATION_MARKER.search(tokenizer.chat_template) is not None
+        check_template(tokenizer, name)
+    markers = tokenizer.is_fast and GENERATION_MARKER.search(tokenizer.chat_template or "") is not None
     read = by_markers if markers else by_prefixes
     limit, truncate = cfg.seq_len + 1, cfg.overlong == "truncate"
 
+    def tokens_of(batch, i):
+        if kind == "completions":
+            return completion_tokens(tokenizer, batch["prompt"][i], batch["completion"][i], cfg.completion_only_loss)
+        example = json.loads(batch["messages"][i])
+        messages, tools = example["messages"], example.get("tools")
+        try:
+            if "prompt_turns" in example:
+                return after_prompt(tokenizer, messages, example["prompt_turns"], tools)
+            return read(tokenizer, messages, tools)
+        except jinja2.TemplateError as err:  # e.g. the template's raise_exception("roles must alternate")
+            raise formats.RowError(batch["row"][i], f"the chat template cannot render this conversation: "
+                                                    f"{one_line(err, 200)}") from None
+
     def render(batch):
         out = {"input_ids": [], "targets": [], "length": [], "fate": []}
-        for row, messages in zip(batch["row"], batch["messages"]):
-            try:
-                ids, mask = read(tokenizer, clean(messages))
-            except jinja2.TemplateError as err:  # e.g. the template's raise_exception("roles must alternate")
-                raise formats.RowError(row, f"the chat template cannot render this conversation: "
-                                            f"{one_line(err, 200)}") from None
+        for i in range(len(batch["row"])):
+            ids, mask = tokens_of(batch, i)
+            if cfg.last_turn_only and kind == "conversations":
+                mask = last_turn(mask)
             fate = KEPT
             if len(ids) > limit:
                 fate = TRUNCATED if truncate else DROPPED_OVERLONG
@@ -130,23 +174,25 @@ def render_conversations(docs, tokenizer, cfg, name: str, num_proc: int | None, 
 
     try:
         rendered = docs.map(render, batched=True, remove_columns=docs.column_names, num_proc=num_proc,
-                            desc=f"render {name} conversations")
+                            desc=f"render {name} {kind}")
     except formats.RowError as err:
         raise formats.named(where, err) from None
     fates = np.bincount(np.asarray(rendered["fate"], dtype=np.int64), minlength=len(FATES))
     kept = rendered.filter(lambda batch: [f in (KEPT, TRUNCATED) for f in batch["fate"]], batched=True)
     counts = dict(zip(FATES, fates.tolist()))
     if len(kept) == 0:
-        raise ConfigError(f"no {name} conversation is left: {describe(counts)}; raise --seq_len or use --overlong "
+        raise ConfigError(f"no {name} example is left: {describe(counts)}; raise --seq_len or use --overlong "
                           "truncate")
     return kept.remove_columns("fate"), counts
 
 
-def describe(fates: dict) -> str:
-    """The setup block's line: how many conversations, and what was dropped or truncated."""
+def describe(fates: dict, kind: str = "conversations") -> str:
+    """The setup block's line: how many conversations (or prompt/completion pairs: kind
+    "completions"), and what was dropped or truncated."""
     total = sum(fates.values())
     parts = [f"{fates[key]} {key.replace('_', ' ')}" for key in FATES[1:] if fates[key]]
-    return f"{total} conversations" + (f" ({', '.join(parts)})" if parts else "")
+    noun = "conversations" if kind == "conversations" else "prompt/completion pairs"
+    return f"{total} {noun}" + (f" ({', '.join(parts)})" if parts else "")
 
 
 def sample_prompt(tokenizer, message: str) -> str:

@@ -274,7 +274,8 @@ REPLICATED = ("NO", "MULTI_CPU", "MULTI_GPU")
 # (--data_files and --eval_data_files: as the files they resolve to, see data_identity.)
 TRAINED_ON = ("seed", "seq_len", "preset", "model_name_or_path", "tokenizer_name_or_path", "dataset_name",
               "dataset_config", "dataset_split", "eval_split", "txt_documents", "text_column", "eval_fraction",
-              "add_bos", "packing", "chat_column", "overlong", "weight_decay", "adam_beta1",
+              "add_bos", "packing", "chat_column", "overlong", "completion_only_loss", "last_turn_only",
+              "weight_decay", "adam_beta1",
               "adam_beta2", "adam_eps", "optimizer", "muon_weight_decay", "muon_momentum", "muon_adjust_lr",
               "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
 # What a resumed run may change, applied from its first step and recorded as applied; every other
@@ -442,6 +443,11 @@ def check_same_data(path, meta: dict, data: dict) -> None:
     differs = {"train_blocks": f"{saved['train_blocks']} training blocks, this run has {data['train_blocks']}",
                "chat_template_sha256": "another chat template rendered its conversations",
                "mixture": "its data mixture was another (sources, files or weights)"}
+    packed = saved.get("packing", "concatenate")  # before best fit, every packed run concatenated
+    if data.get("packing") and packed != data["packing"]:
+        raise ConfigError(f"{Path(path) / METADATA} packed its examples by {packed}, and this run packs them by "
+                          f"{data['packing']}: resume with --packing_strategy {packed}, or start afresh in another "
+                          "--output_dir")
     for key, what in differs.items():
         if not _same_option(saved.get(key), data.get(key)):  # recorded with secrets redacted
             raise ConfigError(f"{Path(path) / METADATA} was trained on other data: {what} from the same options; "
