@@ -136,8 +136,8 @@ def identity(cfg, tokenizer, kind: str) -> dict:
     """Beyond the files (resume/checkpoint.data_identity): the chat template that rendered
     conversations (its SHA-256), what a mixture resolves to and how examples were packed; a resume
     compares them."""
-    template = (tokenizer.chat_template if kind in ("conversations", "mixed") and isinstance(tokenizer.chat_template, str)
-                else None)
+    rendered = kind in ("conversations", "mixed") and isinstance(tokenizer.chat_template, str)
+    template = tokenizer.chat_template if rendered else None
     return {"chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if template else None,
             "mixture": sources.identity(cfg) if cfg.data_mixture else None,
             "packing": packing.strategy(cfg, kind) if cfg.packing else None}

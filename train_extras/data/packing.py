@@ -123,7 +123,8 @@ class FittedRows(torch.utils.data.Dataset):
 
     def __init__(self, stream: np.ndarray, starts: np.ndarray, lengths: np.ndarray, seq_len: int, pad_id: int,
                  targets: np.ndarray | None = None, positions: bool = True):
-        self.stream, self.targets, self.seq_len, self.pad_id, self.positions = stream, targets, seq_len, pad_id, positions
+        self.stream, self.targets, self.seq_len = stream, targets, seq_len
+        self.pad_id, self.positions = pad_id, positions
         # text documents longer than a row: cut into row-long pieces first
         pieces = [(int(start + at), int(min(length - at, seq_len + 1)))
                   for start, length in zip(starts.tolist(), lengths.tolist()) for at in range(0, length, seq_len + 1)]
