@@ -138,3 +138,86 @@ def save_chat_tokenizer(folder: Path, template: str | None = CHAT_TEMPLATE) -> P
         fast.chat_template = template
     fast.save_pretrained(folder)
     return folder
+
+
+# ---- the formats people fine-tune on (tests/test_formats.py) ----
+
+# CHAT_TEMPLATE plus tools: their schemas in a system turn, an assistant's tool calls (JSON, after its
+# content if any) inside its generation markers, the tool's results as a turn of their own.
+TOOL_CHAT_TEMPLATE = (
+    "{% if bos_token %}{{ bos_token }}{% endif %}"
+    "{% if tools %}<|system|>\nTools: {{ tools | tojson }}<|end|>{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}<|assistant|>\n{% generation %}"
+    "{% if message.content %}{{ message.content }}{% endif %}"
+    "{% if message.tool_calls %}{% for call in message.tool_calls %}<call>{{ call.function | tojson }}</call>"
+    "{% endfor %}{% endif %}<|end|>{% endgeneration %}"
+    "{% else %}<|{{ message['role'] }}|>\n{{ message.content }}<|end|>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+# Functions whose calls differ in their arguments' names from row to row: datasets reads such
+# messages as Json, and a schema merge would add every name to every call.
+FUNCTIONS = {
+    "get_weather": {"city": "string"},
+    "add": {"a": "integer", "b": "integer"},
+    "search": {"query": "string", "limit": "integer"},
+}
+
+
+def tool_conversations(num_rows: int, seed: int = SYNTHETIC_SEED) -> list[dict]:
+    """Rows of {messages, tools}: a user asks, the assistant calls 1-2 functions (its content null,
+    absent or a sentence), the tool answers, the assistant answers; `tools` holds the schemas of
+    the functions the row may call."""
+    rng = random.Random(seed + 2)
+    docs = synthetic_documents(num_rows, seed)
+    names = list(FUNCTIONS)
+    rows = []
+    for i in range(num_rows):
+        sentences = docs[i].strip().split(". ")
+        offered = [names[(i + k) % 3] for k in range(1 + i % 3)]
+        calls = []
+        for name in offered[: 1 + int(rng.random() * 2)]:
+            words = sentences[-1].split()
+            arguments = {arg: (len(words[j % len(words)]) if kind == "integer" else words[j % len(words)])
+                         for j, (arg, kind) in enumerate(FUNCTIONS[name].items())}
+            calls.append({"type": "function", "function": {"name": name, "arguments": arguments}})
+        caller = {"role": "assistant", "tool_calls": calls}
+        if i % 3 == 0:
+            caller["content"] = None
+        elif i % 3 == 1:
+            caller["content"] = sentences[0] + "."
+        messages = [{"role": "user", "content": sentences[0] + "."}, caller,
+                    {"role": "tool", "content": sentences[1 % len(sentences)] + "."},
+                    {"role": "assistant", "content": sentences[-1].rstrip(".") + "."}]
+        tools = [{"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "properties": {arg: {"type": kind} for arg, kind in FUNCTIONS[name].items()}}}}
+            for name in offered]
+        rows.append({"messages": messages, "tools": tools})
+    return rows
+
+
+def prompt_completion_rows(num_rows: int, as_messages: bool, seed: int = SYNTHETIC_SEED) -> list[dict]:
+    """Rows of {prompt, completion}: the start of a toy document and its next sentence, as text or as
+    message lists (a system and a user message; one assistant message)."""
+    rows = []
+    for messages in synthetic_conversations(num_rows, seed):
+        user, assistant = messages[1]["content"], messages[2]["content"]
+        if as_messages:
+            rows.append({"prompt": messages[:2], "completion": [messages[2]]})
+        else:
+            rows.append({"prompt": user + " ", "completion": assistant})
+    return rows
+
+
+FORMATS = {  # name -> rows of that format, 60 each
+    "messages": lambda: [{"messages": m} for m in synthetic_conversations(60)],
+    "tool_calls": lambda: tool_conversations(60),
+    "prompt_completion_text": lambda: prompt_completion_rows(60, as_messages=False),
+    "prompt_completion_messages": lambda: prompt_completion_rows(60, as_messages=True),
+}
+
+
+def format_file(folder: Path, name: str) -> str:
+    path = folder / f"{name}.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in FORMATS[name]()))
+    return str(path)

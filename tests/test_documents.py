@@ -74,7 +74,7 @@ def test_the_template_markers_and_the_prefix_differences_agree(chat):
 
 def messages_of(source_rows) -> list[list[dict]]:
     """formats.py's conversations (JSON text) as message lists."""
-    return [json.loads(example)["messages"] for example in source_rows["messages"]]
+    return [json.loads(example)["messages"] for example in source_rows["example"]]
 
 
 PACKINGS = {"concatenate": ["--packing_strategy", "concatenate"], "best_fit": [], "rows": ["--packing", "false"]}

@@ -1,6 +1,6 @@
 """Rows -> examples (docs/data.md#data-formats): text; prompt/completion pairs as text; or
-conversations in the shapes people write them, all made one: a column 'messages' holding, as JSON,
-a list of {role, content} with content a string (and the row's tool schemas, if any).
+conversations in the shapes people write them, all made one: a column 'example' holding, as JSON
+text, a list of {role, content} with content a string (and the row's tool schemas, if any).
 
 - messages: a list of {role, content} (OpenAI's, transformers' and TRL's shape); other keys of a
   message (tool_calls, name...) are kept for the template.
@@ -156,7 +156,7 @@ def without_filled_nones(value):
 
 def conversations(rows, column: str, source: str, where, prompt_column: str | None = None):
     """The conversations of `column` (prompt/completion: prompt_column's messages, then column's) as
-    one column 'messages': JSON text of {"messages": [...], "tools": [...] or absent, "prompt_turns":
+    one column 'example': JSON text of {"messages": [...], "tools": [...] or absent, "prompt_turns":
     the number of prompt messages, if any}; empty ones left out; 'row': the place in the source,
     where(row) -> "chat.jsonl line 7"."""
     columns = [c for c in (prompt_column, column) if c] + ([TOOLS] if TOOLS in rows.column_names else [])
@@ -179,14 +179,14 @@ def conversations(rows, column: str, source: str, where, prompt_column: str | No
             if tools and example:
                 example["tools"] = without_filled_nones(tools) if struct[TOOLS] else tools
             out.append(json.dumps(example) if example.get("messages") else "")
-        return {"messages": out, "row": indices}
+        return {"example": out, "row": indices}
 
     try:
         ds = rows.select_columns(columns).map(read, batched=True, with_indices=True, remove_columns=columns,
                                               desc=f"read {source}")
     except RowError as err:
         raise named(where, err) from None
-    ds = ds.filter(lambda batch: [bool(m) for m in batch["messages"]], batched=True)
+    ds = ds.filter(lambda batch: [bool(m) for m in batch["example"]], batched=True)
     if len(ds) == 0:
         raise ConfigError(f"dataset is empty (no conversation with a message): {source}")
     return ds
@@ -224,7 +224,7 @@ def load(cfg, held_out: bool = False):
 @dataclasses.dataclass
 class Source:
     """One source's examples, split: text ('text' column), completions ('prompt', 'completion',
-    'row') or conversations ('messages' as JSON, 'row')."""
+    'row') or conversations ('example': JSON text, 'row')."""
     train: object
     held_out: object
     kind: str  # "text", "completions" or "conversations"

@@ -146,7 +146,7 @@ def tokenize(docs, kind: str, tokenizer, cfg, name: str, num_proc: int | None, w
     def tokens_of(batch, i):
         if kind == "completions":
             return completion_tokens(tokenizer, batch["prompt"][i], batch["completion"][i], cfg.completion_only_loss)
-        example = json.loads(batch["messages"][i])
+        example = json.loads(batch["example"][i])
         messages, tools = example["messages"], example.get("tools")
         try:
             if "prompt_turns" in example:

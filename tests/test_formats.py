@@ -1,0 +1,154 @@
+"""The formats people fine-tune on (issue 48), against what TRL's SFTTrainer trains on the same rows
+with the same tokenizer: plain conversations, tool calls (arguments whose names differ from row to
+row, read by `datasets` as Json), prompt/completion as text and as messages. TRL's side is the
+committed fixture tests/data/trl_trained_tokens.json (tests/scripts/trl_trained_tokens.py made it).
+
+In-process: each format one example per row (--packing false) and packed by best fit (the
+default), token for token; --last_turn_only, --completion_only_loss false, the refusals. Launched:
+train.py on tool calls under cpu.yaml and ddp.yaml, and on prompt/completion text, resumed exactly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.config import ConfigError
+from common.data import build_tokenizer
+from conftest import ROOT, parse_train
+from synthetic import FORMATS, TOOL_CHAT_TEMPLATE, format_file, save_chat_tokenizer
+from train_extras.data import assemble, render
+
+FIXTURE = ROOT / "tests" / "data" / "trl_trained_tokens.json"
+SEQ = 768  # every row of FORMATS fits whole (the longest: 640 tokens)
+
+
+@pytest.fixture(scope="module")
+def trl():
+    return json.loads(FIXTURE.read_text())
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("formats")
+    save_chat_tokenizer(folder / "tokenizer", TOOL_CHAT_TEMPLATE)
+    return {"tokenizer": str(folder / "tokenizer"), **{name: format_file(folder, name) for name in FORMATS}}
+
+
+def build(files, name: str, *extra: str):
+    """train.py's datasets of one format, all of its rows trained (the held-out set: the same file)."""
+    cfg = parse_train(["--tokenizer_name_or_path", files["tokenizer"], "--data_files", files[name],
+                       "--eval_data_files", files[name], "--seq_len", str(SEQ), *extra])
+    tokenizer = build_tokenizer(cfg)
+    return tokenizer, assemble.build(cfg, tokenizer)
+
+
+def shifted(labels: list[int]) -> list[int]:
+    """TRL's labels (labels[t]: input_ids[t] itself, the model shifts them) as ours (labels[t]: the
+    token trained to follow input_ids[t])."""
+    return labels[1:] + [-100]
+
+
+def check_rows(built, rows: list, pad: int) -> None:
+    """One example per row (--packing false): each row is TRL's row, in order."""
+    assert len(built.train) == len(rows)
+    for index, (ids, labels) in enumerate(rows):
+        item, n = built.train[index], len(ids) - 1  # the last token is only a label
+        assert item["input_ids"][:n].tolist() == ids[:n] and set(item["input_ids"][n:].tolist()) <= {pad}, index
+        assert item["labels"].tolist() == shifted(labels)[:n] + [-100] * (SEQ - n), index
+
+
+def check_packed(built, rows: list, pad: int) -> None:
+    """Best fit: every example whole in one row (found by its position ids), each TRL's row once."""
+    pool = {}
+    for ids, labels in rows:
+        pool.setdefault(tuple(ids), []).append(shifted(labels))
+    for index in range(len(built.train)):
+        item = built.train[index]
+        positions, ids, labels = item["position_ids"].tolist(), item["input_ids"].tolist(), item["labels"].tolist()
+        starts = [t for t, p in enumerate(positions) if p == 0] + [SEQ]
+        for a, b in zip(starts, starts[1:]):
+            if set(ids[a:b]) == {pad}:
+                assert set(labels[a:b]) == {-100}
+                continue
+            # a row's last example may end on the block's last token, which is only a label
+            key = next(k for k in (tuple(ids[a:b]), tuple(ids[a:b] + [labels[b - 1]])) if pool.get(k))
+            assert pool[key].pop()[: b - a] == labels[a:b], index
+    assert not any(pool.values())
+
+
+def tokenizer_identity(tokenizer) -> dict:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("trl_trained_tokens", ROOT / "tests/scripts/trl_trained_tokens.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.tokenizer_identity(tokenizer)
+
+
+@pytest.mark.quick
+def test_the_fixture_was_made_with_this_tokenizer(trl, files):
+    tokenizer = build_tokenizer(parse_train(["--tokenizer_name_or_path", files["tokenizer"]]))
+    assert tokenizer_identity(tokenizer) == {k: trl[k] for k in ("vocab_sha256", "template_sha256")}, \
+        "the tests' tokenizer changed: run tests/scripts/trl_trained_tokens.py again"
+    assert {name: len(rows) for name, rows in trl["formats"].items()} == dict.fromkeys(FORMATS, 60)
+
+
+KINDS = {"messages": "conversations", "tool_calls": "conversations", "prompt_completion_text": "completions",
+         "prompt_completion_messages": "conversations"}
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("packing", ["rows", "best_fit"])
+def test_each_format_trains_exactly_the_tokens_trl_trains(trl, files, name, packing):
+    tokenizer, built = build(files, name, *(["--packing", "false"] if packing == "rows" else []))
+    assert built.kind == KINDS[name]
+    assert built.facts[KINDS[name]] == {"kept": 60, "truncated": 0, "dropped_overlong": 0,
+                                        "dropped_no_assistant_token": 0}
+    (check_rows if packing == "rows" else check_packed)(built, trl["formats"][name], tokenizer.pad_token_id)
+
+
+@pytest.mark.quick
+def test_tool_calls_are_rendered_as_written(files):
+    """No argument or schema property another row has is added to a row (datasets reads the
+    messages as Json); the template gets the row's tools."""
+    tokenizer, built = build(files, "tool_calls", "--packing", "false")
+    rows = FORMATS["tool_calls"]()
+    for index in (0, 1, 2, 5):
+        expected = tokenizer.apply_chat_template(rows[index]["messages"], tools=rows[index]["tools"], tokenize=False)
+        n = int((built.train[index]["input_ids"] != tokenizer.pad_token_id).sum())
+        text = tokenizer.decode(built.train[index]["input_ids"][:n].tolist() + [built.train[index]["labels"][n - 1]])
+        assert text == expected
+        assert ('"query"' in text) == any(c["function"]["name"] == "search" for c in rows[index]["messages"][1]["tool_calls"])
+
+
+@pytest.mark.quick
+def test_last_turn_only_and_the_whole_text_of_a_completion(trl, files):
+    """--last_turn_only trains TRL's tokens of the last assistant turn only; --completion_only_loss
+    false trains every token of a prompt/completion pair (the first is never a label)."""
+    tokenizer, built = build(files, "messages", "--packing", "false", "--last_turn_only", "true")
+    rows = [(ids, render.last_turn(labels_as_mask)) for ids, labels_as_mask in
+            ((ids, [int(label != -100) for label in labels]) for ids, labels in trl["formats"]["messages"])]
+    check_rows(built, [(ids, [t if m else -100 for t, m in zip(ids, mask)]) for ids, mask in rows],
+               tokenizer.pad_token_id)
+    multi_turn = sum(sum(label != -100 for label in labels) > sum(mask) for (_, labels), (_, mask)
+                     in zip(trl["formats"]["messages"], rows))
+    assert multi_turn > 20  # most conversations had an earlier turn left untrained
+    tokenizer, built = build(files, "prompt_completion_text", "--packing", "false", "--completion_only_loss", "false")
+    for index, (ids, _) in enumerate(trl["formats"]["prompt_completion_text"]):
+        assert built.train[index]["labels"][: len(ids) - 1].tolist() == ids[1:]
+
+
+@pytest.mark.quick
+def test_a_prompt_completion_pair_of_mixed_kinds_and_a_template_for_completions_are_one_line(files, tmp_path):
+    rows = FORMATS["prompt_completion_messages"]()
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps({"prompt": r["prompt"][1]["content"], "completion": r["completion"]}) + "\n"
+                            for r in rows))
+    with pytest.raises(ConfigError, match="must both hold text or both lists of messages"):
+        build({**files, "mixed": str(path)}, "mixed")
+    template = tmp_path / "t.jinja"
+    template.write_text(TOOL_CHAT_TEMPLATE)
+    with pytest.raises(ConfigError, match="renders conversations, and the data holds text only"):
+        build(files, "prompt_completion_text", "--chat_template", str(template))
