@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from common.config import ConfigError
 from common.data import build_tokenizer
-from conftest import ROOT, parse_train
+from conftest import ROOT, Run, check_exact_resume, launch, launch_two_processes, parse_train
 from synthetic import FORMATS, TOOL_CHAT_TEMPLATE, format_file, save_chat_tokenizer
 from train_extras.data import assemble, render
 
@@ -152,3 +154,54 @@ def test_a_prompt_completion_pair_of_mixed_kinds_and_a_template_for_completions_
     template.write_text(TOOL_CHAT_TEMPLATE)
     with pytest.raises(ConfigError, match="renders conversations, and the data holds text only"):
         build(files, "prompt_completion_text", "--chat_template", str(template))
+
+
+# ---- launched: every format in one mixture, under cpu.yaml and ddp.yaml (2 processes), resumed ----
+
+RUN_ARGS = ["--seq_len", str(SEQ), "--micro_batch_size", "2", "--max_steps", "24",
+            "--warmup_steps", "2", "--lr", "3e-3", "--eval_every", "12", "--log_every", "4", "--save_every", "12",
+            "--sample_length", "8"]
+
+
+@pytest.fixture(scope="module")
+def format_runs(tmp_path_factory, hf_home, files):
+    """train.py on a mixture of the four formats (equal weights, packed by best fit): one process;
+    two DDP ranks, 24 steps and again resumed at step 12."""
+    folder = tmp_path_factory.mktemp("format_runs")
+    torch.manual_seed(0)  # a small Llama with room for the longest row (the debug preset has 256 positions)
+    AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=len(AutoTokenizer.from_pretrained(files["tokenizer"])), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+        tie_word_embeddings=True)).save_pretrained(folder / "model")
+    spec = folder / "formats.yaml"
+    spec.write_text("sources:\n" + "".join(f"  - name: {name}\n    data_files: [{files[name]}]\n    weight: 1\n"
+                                           for name in FORMATS) + "stopping_strategy: all_exhausted\n")
+    args = RUN_ARGS + ["--model_name_or_path", str(folder / "model"), "--tokenizer_name_or_path", files["tokenizer"],
+                       "--data_mixture", str(spec)]
+    runs = {"cpu": Run(folder / "cpu", launch("train.py", args + ["--output_dir", str(folder / "cpu")], hf_home))}
+    for name, extra in (("ddp", []), ("ddp_resumed", ["--resume_from_checkpoint",
+                                                      str(folder / "ddp" / "checkpoints" / "step_12")])):
+        runs[name] = Run(folder / name, launch_two_processes("train.py", "ddp.yaml", args + extra + [
+            "--output_dir", str(folder / name)], hf_home))
+    return runs
+
+
+@pytest.mark.parametrize("run", ["cpu", "ddp"])
+def test_train_py_learns_every_format_packed_whole(format_runs, run):
+    summary = format_runs[run].summary
+    data = summary["data"]
+    assert data["kind"] == "mixed" and set(data["mixture"]) == set(FORMATS)
+    assert set(data["conversations"]) == {"messages", "tool_calls", "prompt_completion_messages"}
+    assert set(data["completions"]) == {"prompt_completion_text"}
+    for name, fates in (*data["conversations"].items(), *data["completions"].items()):
+        assert sum(fates.values()) == fates["kept"] > 50, (name, fates)  # all of those not held out
+    assert data["rows"]["strategy"] == "best_fit" and data["rows"]["padding_share"] < 0.05, data["rows"]
+    stdout = format_runs[run].proc.stdout
+    assert "packing          : best fit: " in stdout and "prompt/completion pairs" in stdout
+    first, last = summary["eval"][0]["sources"], summary["eval"][-1]["sources"]
+    for name in FORMATS:
+        assert last[name]["loss"] < first[name]["loss"] - 0.5, (name, first[name], last[name])
+
+
+def test_a_ddp_run_on_every_format_resumes_exactly(format_runs):
+    check_exact_resume(format_runs["ddp"], format_runs["ddp_resumed"], 12)

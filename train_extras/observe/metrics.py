@@ -190,8 +190,10 @@ def peak_memory(accelerator) -> list[dict]:
 
 
 def token_stream(dataset) -> np.ndarray:
-    """The tokens a held-out dataset holds: packed blocks, or padded documents (common/data.py's, or
-    train_extras/data/packing.py's on them)."""
+    """The tokens a held-out dataset holds: packed blocks, rows of whole examples (their stream), or
+    padded documents (common/data.py's, or train_extras/data/packing.py's on them)."""
+    if hasattr(dataset, "piece_lengths"):  # packing.FittedRows: every example, whole
+        return np.asarray(dataset.stream)
     if hasattr(dataset, "blocks"):
         return dataset.blocks.reshape(-1)
     return np.concatenate([np.asarray(ids[: dataset.seq_len + 1]) for ids in dataset.docs["input_ids"]])
