@@ -50,8 +50,8 @@ def main() -> None:
     for name in FORMATS:
         rows = datasets.load_dataset("json", data_files=format_file(folder, name), split="train")
         conversation = name in ("messages", "tool_calls")
-        args = SFTConfig(output_dir=str(folder / "out"), max_length=None, assistant_only_loss=conversation, bf16=False, use_cpu=True,
-                         report_to=[])
+        args = SFTConfig(output_dir=str(folder / "out"), max_length=None, assistant_only_loss=conversation,
+                         bf16=False, use_cpu=True, report_to=[])
         trainer = types.SimpleNamespace(_tokenizer=tokenizer, completion_only_loss=True, chat_template=None)
         prepared = SFTTrainer._prepare_dataset(trainer, rows, tokenizer, args, packing=False, formatting_func=None,
                                                dataset_name=name)
