@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 from common.config import ConfigError
 from common.data import build_tokenizer
 from conftest import ROOT, Run, check_exact_resume, launch, launch_two_processes, parse_train
-from synthetic import FORMATS, TOOL_CHAT_TEMPLATE, format_file, save_chat_tokenizer
+from synthetic import FORMATS, FUNCTIONS, TOOL_CHAT_TEMPLATE, format_file, save_chat_tokenizer
 from train_extras.data import assemble, render
 
 FIXTURE = ROOT / "tests" / "data" / "trl_trained_tokens.json"
@@ -117,13 +117,14 @@ def test_tool_calls_are_rendered_as_written(files):
     messages as Json); the template gets the row's tools."""
     tokenizer, built = build(files, "tool_calls", "--packing", "false")
     rows = FORMATS["tool_calls"]()
-    for index in (0, 1, 2, 5):
+    for index in range(12):
         expected = tokenizer.apply_chat_template(rows[index]["messages"], tools=rows[index]["tools"], tokenize=False)
         n = int((built.train[index]["input_ids"] != tokenizer.pad_token_id).sum())
         text = tokenizer.decode(built.train[index]["input_ids"][:n].tolist() + [built.train[index]["labels"][n - 1]])
         assert text == expected
-        called = [call["function"]["name"] for call in rows[index]["messages"][1]["tool_calls"]]
-        assert ('"query"' in text) == ("search" in called)
+        for call in rows[index]["messages"][1]["tool_calls"]:  # each call's arguments, and only its own
+            assert f"<call>{json.dumps(call['function'])}</call>" in text
+        assert "null" not in text
 
 
 @pytest.mark.quick
@@ -206,3 +207,30 @@ def test_train_py_learns_every_format_packed_whole(format_runs, run):
 
 def test_a_ddp_run_on_every_format_resumes_exactly(format_runs):
     check_exact_resume(format_runs["ddp"], format_runs["ddp_resumed"], 12)
+
+
+@pytest.mark.quick
+def test_keys_a_schema_merge_added_are_removed_again(files, tmp_path):
+    """Parquet (a Hub dataset's usual form) stores one struct per column: every tool call holds every
+    argument name any call has, None where it has none. Rendered without them: as the JSONL is."""
+    import datasets
+
+    rows = FORMATS["tool_calls"]()
+    arguments = {name: datasets.Value("int64" if kind == "integer" else "string")
+                 for schema in FUNCTIONS.values() for name, kind in schema.items()}
+    call = {"type": datasets.Value("string"), "function": {"name": datasets.Value("string"), "arguments": arguments}}
+    message = {"role": datasets.Value("string"), "content": datasets.Value("string"),
+               "tool_calls": datasets.List(call)}
+    merged = datasets.Dataset.from_list([{"messages": row["messages"]} for row in rows],
+                                        features=datasets.Features({"messages": datasets.List(message)}))
+    assert merged[0]["messages"][1]["tool_calls"][0]["function"]["arguments"] == {
+        "city": rows[0]["messages"][1]["tool_calls"][0]["function"]["arguments"]["city"], "a": None, "b": None,
+        "query": None, "limit": None}  # what the merge did
+    merged.to_parquet(tmp_path / "merged.parquet")
+    (tmp_path / "plain.jsonl").write_text("".join(json.dumps({"messages": row["messages"]}) + "\n" for row in rows))
+    built = {name: build({**files, name: str(tmp_path / name)}, name, "--packing", "false")[1]
+             for name in ("merged.parquet", "plain.jsonl")}
+    a, b = built["merged.parquet"].train, built["plain.jsonl"].train
+    assert len(a) == len(b) == 60
+    assert all(torch.equal(a[i]["input_ids"], b[i]["input_ids"]) and torch.equal(a[i]["labels"], b[i]["labels"])
+               for i in range(60))
