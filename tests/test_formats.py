@@ -234,3 +234,50 @@ def test_keys_a_schema_merge_added_are_removed_again(files, tmp_path):
     assert len(a) == len(b) == 60
     assert all(torch.equal(a[i]["input_ids"], b[i]["input_ids"]) and torch.equal(a[i]["labels"], b[i]["labels"])
                for i in range(60))
+
+
+# ---- tools/show_data.py: what a run trains on, shown before it runs ----
+
+def test_show_data_shows_the_rows_train_py_trains_on_in_its_order(format_runs, files, tmp_path):
+    """The rows `python -m tools.show_data` writes (same options as the 1-process run) are, one by
+    one and in order, the rows train.py's loader gave the model (the run's probes: the sample ids of
+    each micro-batch); its totals are the run's setup lines."""
+    import subprocess
+    import sys
+
+    run = format_runs["cpu"]
+    options = run.summary["setup"]["options"]
+    argv = ["--tokenizer_name_or_path", files["tokenizer"], "--data_mixture", options["data_mixture"],
+            "--seq_len", str(SEQ), "--micro_batch_size", "2", "--model_name_or_path", options["model_name_or_path"]]
+    out = tmp_path / "rows.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "tools.show_data", *argv, "--rows", "48", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    cfg = parse_train(argv)
+    tokenizer = build_tokenizer(cfg)
+    train = assemble.build(cfg, tokenizer).train
+    consumed = [index for batch in run.batches[0] for index in batch]  # 24 steps x 2 rows
+    assert len(rows) == len(consumed) == 48
+    for row, index in zip(rows, consumed):
+        expected = train[index]
+        assert row == {key: expected[key].tolist() for key in ("input_ids", "labels", "position_ids")}, index
+        assert len(row["input_ids"]) == len(row["labels"]) == len(row["position_ids"]) == SEQ
+    setup_lines = [line for line in proc.stdout.splitlines() if line.split(":")[0].strip() in
+                   ("packing", "conversations (tool_calls)", "completions (prompt_completion_text)")]
+    assert len(setup_lines) == 3 and all(line in run.proc.stdout for line in setup_lines), setup_lines
+    assert "[[" in proc.stdout and "<example at token 0>" in proc.stdout and "<padding: " in proc.stdout
+
+
+def test_show_data_refuses_bad_input_in_one_line(files, tmp_path):
+    import subprocess
+    import sys
+
+    for argv, message in ((["--rows", "0"], "--rows takes a positive count or 'all', got '0'"),
+                          (["--data_files", str(tmp_path / "missing.jsonl")], "missing.jsonl"),
+                          (["--streaming", "true", "--data_files", files["messages"], "--eval_data_files",
+                            files["messages"]], "--streaming: the rows are made while training")):
+        proc = subprocess.run([sys.executable, "-m", "tools.show_data", *argv], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+        assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr

@@ -180,17 +180,48 @@ def as_dataset(tokenized, tokenizer, cfg, kind: str = "text"):
     return DocumentBlocks(tokens, cfg.seq_len, starts if cfg.document_mask != "false" else None, targets)
 
 
+def totals(dataset, seq_len: int) -> dict:
+    """What a training set trains, counted from its arrays (no row is built): its rows, the examples
+    in them (None where not known: text concatenated without document masks), the tokens that are
+    labels and the share of input positions that are padding. train.py's setup block, its
+    run_summary.json and tools/show_data.py print these."""
+    width = seq_len + 1
+    if isinstance(dataset, FittedRows):
+        examples, slots = len(dataset.piece_lengths), len(dataset) * width
+        if dataset.targets is None:  # every token is a label but an example's first
+            trained = dataset.used - examples
+        else:
+            targets = np.asarray(dataset.targets)
+            trained = int(targets.sum()) - int(targets[dataset.piece_starts].sum())
+        return {"strategy": "best_fit", "rows": len(dataset), "examples": examples, "trained_tokens": trained,
+                "padding_share": (slots - dataset.used) / slots if slots else 0.0}
+    if isinstance(dataset, data.PackedBlocks):  # concatenated: no padding
+        rows = len(dataset)
+        targets = getattr(dataset, "targets", None)
+        trained = rows * seq_len if targets is None else int(np.asarray(targets)[:, 1:].sum())
+        starts = getattr(dataset, "starts", None)
+        examples = None if starts is None else int((starts < rows * width).sum())
+        return {"strategy": "concatenate", "rows": rows, "examples": examples, "trained_tokens": trained,
+                "padding_share": 0.0}
+    lengths = np.minimum(np.asarray(dataset.docs["length"], dtype=np.int64), width)  # one per row
+    if "targets" in dataset.docs.column_names:
+        trained = sum(int(np.sum(t[1:width])) for t in dataset.docs["targets"])
+    else:
+        trained = int((lengths - 1).sum())
+    inputs = len(lengths) * seq_len
+    return {"strategy": "none", "rows": len(lengths), "examples": len(lengths), "trained_tokens": trained,
+            "padding_share": (inputs - int((lengths - 1).sum())) / inputs if inputs else 0.0}
+
+
 def describe_rows(train, cfg) -> dict:
-    """The facts of a best-fit training set, for the setup block and run_summary.json."""
-    if not isinstance(train, FittedRows):
-        return {}
-    slots = len(train) * (cfg.seq_len + 1)
-    return {"rows": {"strategy": "best_fit", "rows": len(train), "examples": len(train.piece_lengths),
-                     "tokens": train.used, "padding_share": (slots - train.used) / slots if slots else 0.0}}
+    """The training set's totals, for the setup block and run_summary.json."""
+    return {"rows": totals(train, cfg.seq_len)}
 
 
 def describe_packing(rows: dict) -> str:
-    return (f"best fit: {rows['examples']} examples whole in {rows['rows']} rows, "
+    how = {"best_fit": "best fit", "concatenate": "concatenated", "none": "one example per row (--packing false)"}
+    examples = "" if rows["examples"] is None else f"{rows['examples']} examples in "
+    return (f"{how[rows['strategy']]}: {examples}{rows['rows']} rows, {rows['trained_tokens']} trained tokens, "
             f"{rows['padding_share']:.1%} padding")
 
 
