@@ -471,10 +471,35 @@ MUTANTS: list[Mutant] = [
     Mutant(
         id="seam-mixture-eval-on-train-rows",
         file="train_extras/data/assemble.py",
-        old="held_out[name] = packing.as_dataset(evaluated, tokenizer, cfg)",
-        new="held_out[name] = packing.as_dataset(train, tokenizer, cfg)",
+        old="held_out[name] = packing.as_dataset(evaluated, tokenizer, cfg, kind)",
+        new="held_out[name] = packing.as_dataset(train, tokenizer, cfg, kind)",
         what="a mixture's per-source eval scores the source's training rows, not its held-out rows",
         tests=("tests/test_seams.py::test_a_mixture_scores_each_source_on_its_own_held_out_rows",),
+    ),
+    Mutant(
+        id="best-fit-label-across-examples",
+        file="train_extras/data/packing.py",
+        old="labels[torch.from_numpy(~trained[1:] | first[1:])] = -100",
+        new="labels[torch.from_numpy(~trained[1:])] = -100",
+        what="a best-fit row trains an example's last token to predict the next example's first (text: "
+             "conversations and completions never train a first token)",
+        tests=("tests/test_documents.py::test_best_fit_keeps_every_example_whole_and_pads_little",),
+    ),
+    Mutant(
+        id="completion-loss-on-the-prompt",
+        file="train_extras/data/render.py",
+        old='start = common_prefix(tokenizer(prompt)["input_ids"], ids) if completion_only else 0',
+        new='start = 0',
+        what="prompt/completion text trains the prompt too",
+        tests=("tests/test_formats.py::test_each_format_trains_exactly_the_tokens_trl_trains",),
+    ),
+    Mutant(
+        id="tool-schemas-not-given-to-the-template",
+        file="train_extras/data/formats.py",
+        old="if tools and example:",
+        new="if tools and not example:",
+        what="a row's tools column never reaches the chat template",
+        tests=("tests/test_formats.py::test_each_format_trains_exactly_the_tokens_trl_trains",),
     ),
     Mutant(
         id="seam-chunked-head-bias-dropped",
