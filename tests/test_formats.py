@@ -281,3 +281,25 @@ def test_show_data_refuses_bad_input_in_one_line(files, tmp_path):
                               text=True, timeout=120)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
         assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+@pytest.mark.quick
+def test_show_data_marks_the_trained_tokens_example_starts_and_padding(files, capsys, tmp_path):
+    """In-process, piped (brackets): each conversation's assistant turns in [[...]], each example's
+    start, the row's padding; --rows all writes every row of the training set."""
+    from tools import show_data
+
+    argv = ["--tokenizer_name_or_path", files["tokenizer"], "--data_files", files["messages"], "--seq_len", "256"]
+    assert show_data.main(argv + ["--rows", "2"]) == 0
+    shown = capsys.readouterr().out
+    assert shown.count("--- row ") == 2 and shown.count("<example at token 0>") == 2
+    assert "<|assistant|>\n[[" in shown and "<|end|>]]" in shown and "[[<|user|>" not in shown
+    totals = shown.splitlines()[-2:]
+    assert totals[0].startswith("conversations    : 58 conversations")
+    assert totals[1].startswith("packing          : best fit")
+    assert show_data.main(argv + ["--rows", "all", "--out", str(tmp_path / "rows.jsonl")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    cfg = parse_train(argv)
+    rows_per_epoch = len(assemble.build(cfg, build_tokenizer(cfg)).train) // 16 * 16  # the loader drops the rest
+    assert len(rows) == rows_per_epoch == 16
+    assert show_data.own_options(["--rows", "all", "--seq_len", "8"]) == (None, None, ["--seq_len", "8"])
