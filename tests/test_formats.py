@@ -303,3 +303,19 @@ def test_show_data_marks_the_trained_tokens_example_starts_and_padding(files, ca
     rows_per_epoch = len(assemble.build(cfg, build_tokenizer(cfg)).train) // 16 * 16  # the loader drops the rest
     assert len(rows) == rows_per_epoch == 16
     assert show_data.own_options(["--rows", "all", "--seq_len", "8"]) == (None, None, ["--seq_len", "8"])
+
+
+@pytest.mark.quick
+def test_a_resume_that_would_pack_otherwise_is_refused(tmp_path):
+    """A checkpoint records how its examples were packed; one from before best fit (no record)
+    packed by concatenation. Resuming with the other packing is one line naming the option."""
+    from train_extras.resume import checkpoint
+
+    identity = {"train_blocks": 5, "chat_template_sha256": None, "mixture": None}
+    before_best_fit = {"data": identity}
+    checkpoint.check_same_data(tmp_path, before_best_fit, {**identity, "packing": "concatenate"})
+    checkpoint.check_same_data(tmp_path, {"data": {**identity, "packing": "best_fit"}},
+                               {**identity, "packing": "best_fit"})
+    with pytest.raises(ConfigError, match="packed its examples by concatenate, and this run packs them by best_fit: "
+                                          "resume with --packing_strategy concatenate"):
+        checkpoint.check_same_data(tmp_path, before_best_fit, {**identity, "packing": "best_fit"})

@@ -131,7 +131,8 @@ def test_the_same_options_on_other_data_are_refused(tmp_path, train_run):
     saved = checkpoint.verify(step_30(train_run), contents=False)
     assert saved["data"] == {"data_files": [os.path.realpath(corpus_file(2000))], "eval_data_files": [],
                              "train_blocks": train_run.summary["data"]["train_blocks"],
-                             "chat_template_sha256": None, "mixture": None}  # text from one source
+                             "chat_template_sha256": None, "mixture": None,
+                             "packing": "concatenate"}  # text from one source
     (tmp_path / "a.txt").write_text("one document\n\nanother\n")
     cfg = parse_train(TRAIN_ARGS + ["--data_files", str(tmp_path / "*.txt")])
     meta = {**saved, "config": {**saved["config"], "data_files": cfg.data_files},
