@@ -47,7 +47,7 @@ def build(argv):
 def independent_render(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
     """The conversation as CHAT_TEMPLATE lays it out, assembled here piece by piece (no Jinja):
     (token ids, 1 on what the assistant writes: its content and its end-of-turn)."""
-    pieces = [(tokenizer.bos_token, 0)]
+    pieces = [(tokenizer.bos_token, 0)] if tokenizer.bos_token else []
     for message in messages:
         mine = message["role"] == "assistant"
         pieces += [(f"<|{message['role']}|>\n", 0), (message["content"] + "<|end|>", int(mine))]
@@ -78,6 +78,23 @@ def messages_of(source_rows) -> list[list[dict]]:
 
 
 PACKINGS = {"concatenate": ["--packing_strategy", "concatenate"], "best_fit": [], "rows": ["--packing", "false"]}
+
+
+@pytest.mark.quick
+def test_the_prefix_differences_without_offsets_and_a_template_they_cannot_read(chat):
+    """A tokenizer without offsets (the byte tokenizer, in Python) tokenises each prefix apart: the
+    same tokens. A template whose assistant header ends inside a token (a space that BPE joins to
+    the answer's first word) cannot be read from the prefixes: one error line."""
+    byte_tokenizer = build_tokenizer(parse_train([]))
+    byte_tokenizer.chat_template = CHAT_TEMPLATE
+    assert not byte_tokenizer.is_fast
+    for messages in synthetic_conversations(40):
+        assert render.by_prefixes(byte_tokenizer, messages) == independent_render(byte_tokenizer, messages)
+    tokenizer = AutoTokenizer.from_pretrained(chat["tokenizer"])
+    tokenizer.chat_template = CHAT_TEMPLATE.replace("<|assistant|>\n", "<|assistant|> ").replace(
+        "{% generation %}", "").replace("{% endgeneration %}", "")
+    with pytest.raises(ConfigError, match="cannot be found from the prefixes: give a template with"):
+        render.by_prefixes(tokenizer, synthetic_conversations(1)[0])
 
 
 @pytest.mark.quick

@@ -82,18 +82,45 @@ def encode(tokenizer, messages: list[dict], tools=None, generation_prompt: bool 
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+NOT_PREFIXES = ("the chat template renders a conversation's first messages as something that does not begin its "
+                "whole render, so the assistant's tokens cannot be found from the prefixes: give a template with "
+                "{% generation %} markers (--chat_template FILE)")
+
+
 def by_prefixes(tokenizer, messages: list[dict], tools=None) -> tuple[list[int], list[int]]:
-    """(token ids, 1 on the assistant's tokens) from the differences of the prefixes' renders."""
-    ids = encode(tokenizer, messages, tools)
+    """(token ids, 1 on the assistant's tokens) from the differences of the prefixes' renders: the
+    text of messages[:i+1] past that of messages[:i] with the generation prompt is assistant message
+    i's. The renders are compared as text and only the whole is tokenised: an assistant span is the
+    tokens that start inside it (a fast tokenizer's offsets, as transformers reads the generation
+    markers). Where a span's edge falls inside a token (or a tokenizer has no offsets), each prefix
+    is tokenised apart instead and must tokenise as the start of the whole."""
+    turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
+    wholes = tokenizer.apply_chat_template([messages] + [messages[: i + 1] for i in turns], tools=tools,
+                                           tokenize=False)
+    befores = tokenizer.apply_chat_template([messages[:i] for i in turns], tools=tools, tokenize=False,
+                                            add_generation_prompt=True) if turns else []
+    whole, throughs = wholes[0], wholes[1:]
+    if not all(through.startswith(before) and whole.startswith(through) for before, through in zip(befores, throughs)):
+        raise ConfigError(NOT_PREFIXES)
+    if tokenizer.is_fast:
+        encoded = tokenizer(whole, add_special_tokens=False, return_offsets_mapping=True)
+        ids = encoded["input_ids"]
+        token_at = {len(whole): len(ids)}
+        for k, (start, end) in reversed(list(enumerate(encoded["offset_mapping"]))):
+            if end > start:
+                token_at[start] = k
+        edges = [(len(before), len(through)) for before, through in zip(befores, throughs)]
+        if all(a in token_at and b in token_at for a, b in edges):
+            mask = [0] * len(ids)
+            for a, b in edges:
+                mask[token_at[a]: token_at[b]] = [1] * (token_at[b] - token_at[a])
+            return list(ids), mask
+    encoded = tokenizer([whole] + throughs + befores, add_special_tokens=False)["input_ids"]
+    ids, throughs, befores = encoded[0], encoded[1: len(wholes)], encoded[len(wholes):]
     mask = [0] * len(ids)
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before, through = encode(tokenizer, messages[:i], tools, True), encode(tokenizer, messages[: i + 1], tools)
+    for before, through in zip(befores, throughs):
         if through[: len(before)] != before or ids[: len(through)] != through:
-            raise ConfigError("the chat template renders a conversation's first messages as something that does not "
-                              "begin its whole render, so the assistant's tokens cannot be found from the prefixes: "
-                              "give a template with {% generation %} markers (--chat_template FILE)")
+            raise ConfigError(NOT_PREFIXES)
         mask[len(before): len(through)] = [1] * (len(through) - len(before))
     return ids, mask
 
