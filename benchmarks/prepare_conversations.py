@@ -2,7 +2,8 @@
 the chat template, the assistant's tokens found) beside TRL's SFTTrainer, one process.
 
     python benchmarks/prepare_conversations.py                       # 8k and 32k conversations, 2 rounds
-    PYTHONPATH=/tmp/trl python benchmarks/prepare_conversations.py   # with TRL (pip install --no-deps --target /tmp/trl trl)
+    PYTHONPATH=/tmp/trl python benchmarks/prepare_conversations.py   # with TRL, installed by:
+    pip install --no-deps --target /tmp/trl trl==1.16.0
 
 The conversations are tiny Shakespeare's speeches: a system message, then 1 to 3 exchanges (a
 speech as the user's turn, the next as the assistant's), written as JSONL. The tokenizer is a
@@ -154,8 +155,8 @@ def main() -> None:
                      f"{median['TRL, markers'] / median['ours, markers']:.2f}" if with_trl else "-"])
     headers = ["conversations", *(f"{name} (s)" for name in variants), "no markers / markers",
                "TRL / ours (markers)"]
-    notes = [f"Median of {options.rounds} rounds, the variants alternating, each in a fresh process and datasets cache; "
-             "one process each. Tiny Shakespeare's speeches as 1-3 exchanges, a 4,096-id BPE trained on them.",
+    notes = [f"Median of {options.rounds} rounds, the variants alternating, each in a fresh process and datasets "
+             "cache; one process each. Tiny Shakespeare's speeches as 1-3 exchanges, a 4,096-id BPE trained on them.",
              f"TRL: {with_trl or 'not installed (its columns are left out)'}."]
     day = time.strftime("%Y-%m-%d")
     write_results(ROOT / "benchmarks" / "results" / f"prepare-{day}", "Preparing conversations: ours beside TRL",
