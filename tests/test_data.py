@@ -225,6 +225,11 @@ def test_eval_data_files_are_the_held_out_set(hf_cache, tmp_path):
     (["--streaming", "--data_files", SYNTHETIC_FILE], "--streaming needs a held-out set of its own"),
     (["--dataset_num_proc", "0"], "--dataset_num_proc must be positive"),
     (["--txt_documents", "sentence"], "invalid choice"),
+    (["--streaming", "--data_files", SYNTHETIC_FILE, "--eval_data_files", SYNTHETIC_FILE, "--packing_strategy",
+      "best_fit"], "--streaming concatenates the stream into blocks: not with --packing_strategy best_fit"),
+    (["--packing", "false", "--packing_strategy", "concatenate"], "--packing_strategy concatenate packs examples: "
+                                                                   "not with --packing false"),
+    (["--packing_strategy", "first_fit"], "invalid choice"),
 ])
 def test_fine_tuning_and_data_options_refuse_what_cannot_work(argv, message):
     with pytest.raises(ConfigError, match=message):

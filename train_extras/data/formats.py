@@ -1,6 +1,7 @@
-"""Rows -> examples (docs/data.md#data-formats): text; prompt/completion pairs as text; or
-conversations in the shapes people write them, all made one: a column 'example' holding, as JSON
-text, a list of {role, content} with content a string (and the row's tool schemas, if any).
+"""Rows -> examples (docs/data.md: Conversations, Tool calls, Prompt/completion): text;
+prompt/completion pairs as text; or conversations in the shapes people write them, all made one: a
+column 'example' holding, as JSON text, a list of {role, content} with content a string (and the
+row's tool schemas, if any).
 
 - messages: a list of {role, content} (OpenAI's, transformers' and TRL's shape); other keys of a
   message (tool_calls, name...) are kept for the template.
@@ -44,6 +45,8 @@ def shape(feature) -> str | None:
     import datasets
 
     inner = getattr(feature, "feature", None)
+    if isinstance(feature, datasets.Json):  # a whole column of Json values: read per row
+        return "json"
     if not isinstance(feature, (datasets.List, datasets.LargeList)):
         return None
     if isinstance(inner, datasets.Json):
@@ -164,6 +167,8 @@ def conversations(rows, column: str, source: str, where, prompt_column: str | No
 
     def turns_of(batch, name, i, row):
         turns = batch[name][i] or []
+        if not isinstance(turns, list):
+            raise RowError(row, f"column {name!r} holds {type(turns).__name__}, not a list of messages")
         turns = without_filled_nones(turns) if struct[name] else turns
         return as_messages(turns, shape(rows.features[name]), row) if turns else []
 
@@ -176,6 +181,7 @@ def conversations(rows, column: str, source: str, where, prompt_column: str | No
                 prompt = turns_of(batch, prompt_column, i, row)
                 example = {"messages": prompt + messages, "prompt_turns": len(prompt)} if prompt and messages else {}
             tools = batch[TOOLS][i] if TOOLS in batch else None
+            tools = json.loads(tools) if isinstance(tools, str) else tools  # schemas written as JSON text
             if tools and example:
                 example["tools"] = without_filled_nones(tools) if struct[TOOLS] else tools
             out.append(json.dumps(example) if example.get("messages") else "")

@@ -1,6 +1,7 @@
-"""Examples -> token ids and a trained mask (docs/data.md#data-formats): text between its bounds
-(common/data.py); prompt/completion text; or conversations (formats.py's messages, with their tool
-schemas) rendered by the tokenizer's chat template with the loss on the assistant's tokens only.
+"""Examples -> token ids and a trained mask (docs/data.md: Conversations, Tool calls,
+Prompt/completion): text between its bounds (common/data.py); prompt/completion text; or
+conversations (formats.py's messages, with their tool schemas) rendered by the tokenizer's chat
+template with the loss on the assistant's tokens only.
 
 Which tokens are the assistant's: where the template marks them ({% generation %} ... {% endgeneration %},
 read by transformers' return_assistant_tokens_mask), else by rendering the conversation's prefixes
