@@ -399,7 +399,7 @@ def build(cfg, accelerator, tokenizer, train_data: TrainData, facts: ModelFacts,
              "setup": {k: setup[k] for k in ("distributed_type", "world_size", "data_parallel_size",
                                              "tensor_parallel_size", "mixed_precision")}}
     prompt = cfg.sample_prompt
-    if train_data.kind in ("conversations", "mixed"):  # the model's answer to a user message
+    if "conversations" in train_data.facts:  # conversations, alone or mixed: an answer
         prompt = render.sample_prompt(tokenizer, cfg.sample_message)
     return Run(cfg, accelerator, model, optimizer, scheduler, tokenizer, train_loader,
                dict(zip(names, eval_loaders)), prompt, tp_layout, facts.route, saved, loss_head)

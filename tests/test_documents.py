@@ -9,6 +9,7 @@ resumed (train.py on cpu.yaml); the document-mask check under cpu.yaml, ddp.yaml
 
 from __future__ import annotations
 
+import functools
 import json
 
 import numpy as np
@@ -420,13 +421,59 @@ def test_a_model_that_cannot_keep_documents_apart_is_refused_by_true_and_unmaske
             document_mask.resolve(model, accelerator, parse_train(["--document_mask", "true"]), 100, None)
 
 
+def flash_like_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """flash-attention's contract for packed rows, in torch for the CPU: varlen attention over the
+    cumulative lengths given (cu_seq_lens_q), or over those found from the position ids of a batch of
+    ONE row; several rows without them: plain causal attention per row (their position ids unread)."""
+    edges = kwargs.get("cu_seq_lens_q")
+    positions = kwargs.get("position_ids")
+    if edges is None and query.shape[0] == 1 and positions is not None:
+        edges = torch.cat([(positions[0] == 0).nonzero().flatten(), torch.tensor([query.shape[2]])])
+    attend = functools.partial(torch.nn.functional.scaled_dot_product_attention, is_causal=True, scale=scaling,
+                               enable_gqa=True)
+    if edges is None:
+        out = attend(query, key, value)
+    else:
+        edges = edges.tolist()
+        out = torch.cat([attend(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b])
+                         for a, b in zip(edges, edges[1:])], dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
 @pytest.mark.quick
-def test_flash_attention_with_several_rows_is_refused():
-    for kernel in ("flash_attention_2", "kernels-community/flash-attn"):
-        with pytest.raises(ConfigError, match="keeps packed documents apart only in a batch of one row"):
-            parse_train(["--attn_implementation", kernel, "--micro_batch_size", "4"])
-    parse_train(["--attn_implementation", "flash_attention_2", "--micro_batch_size", "1"])
-    parse_train(["--attn_implementation", "flash_attention_2", "--document_mask", "false"])
+def test_flash_attention_keeps_the_documents_of_several_rows_apart_by_giving_them_as_one():
+    """With a kernel that reads packed documents from the position ids of one row only (flash's
+    contract, emulated in torch), the probe's two rows find the rows given as one with cumulative
+    lengths (SDPA: the position ids alone), and a micro-batch of packed rows then gets the logits
+    SDPA gets with the block-diagonal mask."""
+    from accelerate import Accelerator
+    from transformers import AttentionInterface, AutoModelForCausalLM, masking_utils
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register("varlen_like_cpu", flash_like_attention)
+    AttentionMaskInterface.register("varlen_like_cpu", masking_utils.flash_attention_mask)
+    accelerator = Accelerator(cpu=True)
+    models = {}
+    for kernel in ("sdpa", "varlen_like_cpu"):
+        torch.manual_seed(0)
+        models[kernel] = AutoModelForCausalLM.from_config(KEPT_APART["llama"](), attn_implementation=kernel)
+    modes = {kernel: document_mask.resolve(model, accelerator, parse_train([]), 100, None)
+             for kernel, model in models.items()}
+    assert modes == {"sdpa": ("position_ids", None), "varlen_like_cpu": ("position_ids+cu_seq_lens", None)}
+    ids = torch.randint(0, 100, (3, 24), generator=torch.Generator().manual_seed(1))
+    positions = torch.tensor([list(range(10)) + list(range(14)), list(range(24)),
+                              list(range(5)) + list(range(12)) + list(range(7))])
+    logits = {}
+    for kernel, model in models.items():
+        hooks = document_mask.install(model, accelerator, modes[kernel][0])
+        with torch.no_grad():
+            logits[kernel] = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        for hook in hooks:
+            hook.remove()
+    assert (logits["varlen_like_cpu"] - logits["sdpa"]).abs().max() < 1e-5
+    with torch.no_grad():  # without the rows as one, the kernel lets documents see each other
+        plain = models["varlen_like_cpu"](input_ids=ids, position_ids=positions, use_cache=False).logits
+    assert (plain - logits["sdpa"]).abs().max() > 1e-2
 
 
 def test_the_mask_changes_what_trains(train_run, train_run_unmasked):

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from common.config import ConfigError
 from common.data import build_tokenizer
-from conftest import ROOT, Run, check_exact_resume, launch, launch_two_processes, parse_train
+from conftest import ROOT, SYNTHETIC, Run, check_exact_resume, launch, launch_two_processes, parse_train
 from synthetic import FORMATS, FUNCTIONS, TOOL_CHAT_TEMPLATE, format_file, save_chat_tokenizer
 from train_extras.data import assemble, render
 
@@ -319,3 +319,17 @@ def test_a_resume_that_would_pack_otherwise_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="packed its examples by concatenate, and this run packs them by best_fit: "
                                           "resume with --packing_strategy concatenate"):
         checkpoint.check_same_data(tmp_path, before_best_fit, {**identity, "packing": "best_fit"})
+
+
+def test_a_mixture_of_text_and_completions_samples_a_continuation(tmp_path, hf_home, files):
+    """Text and prompt/completion pairs, no conversation (the byte tokenizer, which has no chat
+    template): trains, and the end-of-run sample continues --sample_prompt as for text."""
+    spec = tmp_path / "mixture.yaml"
+    spec.write_text(f"sources:\n  - name: prose\n    data_files: [{SYNTHETIC}]\n    weight: 1\n"
+                    f"  - name: pairs\n    data_files: [{files['prompt_completion_text']}]\n    weight: 1\n")
+    run = Run(tmp_path / "out", launch("train.py", ["--preset", "debug", "--seq_len", "128", "--micro_batch_size", "4",
+                                                    "--max_steps", "4", "--data_mixture", str(spec), "--sample_length",
+                                                    "8", "--output_dir", str(tmp_path / "out")], hf_home))
+    data = run.summary["data"]
+    assert data["kind"] == "mixed" and "conversations" not in data and set(data["completions"]) == {"pairs"}
+    assert run.summary["samples"][-1]["prompt"] == run.summary["setup"]["options"]["sample_prompt"]

@@ -4,7 +4,8 @@ model, asked of the model itself at start-up, then given to each training and he
 A packed block holds the end of one document and the start of the next; data/packing.py gives it
 position ids that restart at every document. What keeps documents apart depends on the layer kind:
 - attention: the position ids. transformers builds a block-diagonal causal mask from them (SDPA,
-  eager) or takes flash-attention's varlen path. A family whose forward builds its masks without
+  eager) or takes flash-attention's varlen path (one row: several rows go in as one, with their
+  cumulative lengths, as for the gated delta rule below). A family whose forward builds its masks without
   them (GPT-OSS and GraniteMoeHybrid in transformers 5.25) gets the masks transformers' own mask
   functions make from them, one per layer type, in the mapping its forward takes ("masks").
 - Mamba2 scans and short convolutions: `seq_idx`, each token's document index, which the kernels
@@ -15,9 +16,11 @@ In transformers 5.25 those kernels are CUDA-only and the torch paths refuse the 
 packed sequences apart without causal_conv1d"); Jamba's Mamba scan and MiniMax's lightning
 attention take none of them.
 
-The probe: two 8-token documents in one row, then the same row with another first document: the
-second document's logits must not move (to 1e-4 of their scale, model_probe), with the position ids
-alone, then with each set of inputs above the family's layers may need. Both forwards have the same
+The probe: two rows of two 8-token documents, then the same rows with another first document: the
+second documents' logits must not move (to 1e-4 of their scale, model_probe), with the position ids
+alone, then with each set of inputs above the family's layers may need. Two rows, because a
+micro-batch has several: flash-attention keeps packed documents apart from the position ids in a
+batch of one row only, so there the probe finds the rows given as one, with cumulative lengths. Both forwards have the same
 shapes, so bf16 or fp16 compute rounds both alike: comparing with the second document run alone
 (another shape) moved a Llama's logits by 0.002 under bf16 autocast, which turned the masks off.
 `auto` takes the first that holds; if none does, the documents see
@@ -75,16 +78,18 @@ def resolve(model, accelerator, cfg, vocab_size: int, saved: str | None) -> tupl
     inner = unwrap(accelerator, model)
     modes = [saved] if saved else [POSITIONS] + ["+".join((POSITIONS, *extras)) for extras in EXTRAS
                                                  if "masks" not in extras or _mask_kinds(inner.config)]
-    ids = model_probe.random_row(vocab_size, 16, accelerator.device)
+    # two rows, as a micro-batch has: flash-attention finds packed documents from the position ids
+    # in a batch of one row only, and then needs the rows given as one (cu_seq_lens)
+    ids = model_probe.random_row(vocab_size, 32, accelerator.device).reshape(2, 16)
     changed = ids.clone()
-    changed[0, :7] = (changed[0, :7] + 1) % vocab_size  # another first document
-    positions = torch.cat([torch.arange(8), torch.arange(8)])[None].to(accelerator.device)
+    changed[:, :7] = (changed[:, :7] + 1) % vocab_size  # another first document in each row
+    positions = torch.cat([torch.arange(8), torch.arange(8)]).repeat(2, 1).to(accelerator.device)
     failed = {}
     with model_probe.inference(model):
         for mode in modes:  # each through the hooks training would use
             hooks = install(model, accelerator, mode)
             try:
-                before, after = (model(input_ids=x, position_ids=positions, use_cache=False).logits[0, 8:]
+                before, after = (model(input_ids=x, position_ids=positions, use_cache=False).logits[:, 8:]
                                  for x in (ids, changed))
             except (ValueError, TypeError) as err:  # a kernel or a forward that refuses the inputs
                 failed[mode] = str(err).split(", which")[0]

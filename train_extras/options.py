@@ -202,11 +202,6 @@ class DocumentOptions:
             raise ConfigError(f"--packing_strategy {self.packing_strategy} packs examples: not with --packing false")
         if self.streaming and self.packing_strategy == "best_fit":
             raise ConfigError("--streaming concatenates the stream into blocks: not with --packing_strategy best_fit")
-        flash = "flash" in self.attn_implementation  # flash_attention_2/3, kernels-community/flash-attn...
-        if flash and self.document_mask != "false" and self.packing and self.micro_batch_size > 1:
-            raise ConfigError(f"--attn_implementation {self.attn_implementation} keeps packed documents apart only "
-                              "in a batch of one row (its varlen path): use --micro_batch_size 1, sdpa, or "
-                              "--document_mask false")
 
 
 @dataclass
