@@ -20,10 +20,10 @@ The probe: two rows of two 8-token documents, then the same rows with another fi
 second documents' logits must not move (to 1e-4 of their scale, model_probe), with the position ids
 alone, then with each set of inputs above the family's layers may need. Two rows, because a
 micro-batch has several: flash-attention keeps packed documents apart from the position ids in a
-batch of one row only, so there the probe finds the rows given as one, with cumulative lengths. Both forwards have the same
-shapes, so bf16 or fp16 compute rounds both alike: comparing with the second document run alone
-(another shape) moved a Llama's logits by 0.002 under bf16 autocast, which turned the masks off.
-`auto` takes the first that holds; if none does, the documents see
+batch of one row only, so there the probe finds the rows given as one, with cumulative lengths.
+Both forwards have the same shapes, so bf16 or fp16 compute rounds both alike: comparing with the
+second document run alone (another shape) moved a Llama's logits by 0.002 under bf16 autocast,
+which turned the masks off. `auto` takes the first that holds; if none does, the documents see
 each other, exactly as with --document_mask false (no position ids are passed: positions run on
 through the block), and the setup block and run_summary.json say why. A half mask (attention apart,
 state shared) is not offered: the probe cannot tell which half holds. `true` refuses instead, in one
