@@ -333,3 +333,24 @@ def test_a_mixture_of_text_and_completions_samples_a_continuation(tmp_path, hf_h
     data = run.summary["data"]
     assert data["kind"] == "mixed" and "conversations" not in data and set(data["completions"]) == {"pairs"}
     assert run.summary["samples"][-1]["prompt"] == run.summary["setup"]["options"]["sample_prompt"]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name", ["messages", "prompt_completion_text"])
+@pytest.mark.parametrize("packing", [[], ["--packing_strategy", "concatenate"], ["--packing", "false"]])
+def test_the_totals_count_what_the_rows_hold(files, name, packing):
+    """packing.totals (the setup block's, run_summary.json's and show_data's) against every row built:
+    the trained tokens are the labels that are not -100, the padding the pad inputs past the end."""
+    from train_extras.data import packing as packing_module
+
+    tokenizer, built = build(files, name, *packing)
+    rows = [built.train[i] for i in range(len(built.train))]
+    totals = built.facts["rows"]
+    assert totals == packing_module.totals(built.train, SEQ)
+    assert totals["rows"] == len(rows)
+    assert totals["trained_tokens"] == sum(int((row["labels"] != -100).sum()) for row in rows)
+    if totals["strategy"] == "concatenate":
+        assert totals["padding_share"] == 0.0
+    else:
+        padding = sum(int((row["input_ids"] == tokenizer.pad_token_id).sum()) for row in rows)
+        assert totals["padding_share"] == padding / (len(rows) * SEQ)

@@ -131,7 +131,7 @@ class FittedRows(torch.utils.data.Dataset):
         self.piece_starts = np.array([p[0] for p in pieces], dtype=np.int64)
         self.piece_lengths = np.array([p[1] for p in pieces], dtype=np.int64)
         self.rows = best_fit_decreasing(self.piece_lengths, seq_len + 1)
-        self.used = sum(int(self.piece_lengths[row].sum()) for row in self.rows)
+        self.used = int(self.piece_lengths.sum())  # tokens in the rows; the rest is padding
 
     def __len__(self):
         return len(self.rows)
@@ -187,14 +187,16 @@ def totals(dataset, seq_len: int) -> dict:
     run_summary.json and tools/show_data.py print these."""
     width = seq_len + 1
     if isinstance(dataset, FittedRows):
-        examples, slots = len(dataset.piece_lengths), len(dataset) * width
+        examples, inputs = len(dataset.piece_lengths), len(dataset) * seq_len
         if dataset.targets is None:  # every token is a label but an example's first
             trained = dataset.used - examples
         else:
             targets = np.asarray(dataset.targets)
             trained = int(targets.sum()) - int(targets[dataset.piece_starts].sum())
+        filled = np.array([int(dataset.piece_lengths[row].sum()) for row in dataset.rows], dtype=np.int64)
+        padding = int((seq_len - np.minimum(filled, seq_len)).sum())  # a row's last token is an input of none
         return {"strategy": "best_fit", "rows": len(dataset), "examples": examples, "trained_tokens": trained,
-                "padding_share": (slots - dataset.used) / slots if slots else 0.0}
+                "padding_share": padding / inputs if inputs else 0.0}
     if isinstance(dataset, data.PackedBlocks):  # concatenated: no padding
         rows = len(dataset)
         targets = getattr(dataset, "targets", None)
