@@ -758,6 +758,7 @@ def export_failed(run: Run, err: Exception, kept) -> config.ConfigError:
 
 def end(accelerator) -> None:
     accelerator.wait_for_everyone()  # no rank tears down the process group while another uses it
+    preemption.keep_process_group()  # freed by no one before the process ends (see there)
     accelerator.end_training()
 
 

@@ -26,6 +26,15 @@ def test_runs_the_requested_strategy_on_two_ranks(pair, two_process_runs):
 
 
 @pytest.mark.parametrize("pair", PAIRS)
+def test_only_train_py_ends_without_the_interpreters_teardown(pair, two_process_runs):
+    """train.py keeps its process group and ends each rank with os._exit
+    (preemption.without_teardown): the teardown would free the gloo group under the GIL, a rare
+    hang. The focused recipes, copied with common/ alone, end plainly: the probe's own check."""
+    ended = two_process_runs(pair).probed("teardown")
+    assert ended == ([[], []] if pair.startswith("train.py/") else [[True], [True]])
+
+
+@pytest.mark.parametrize("pair", PAIRS)
 def test_loss_decreases(pair, two_process_runs):
     check_loss_goes_down(two_process_runs(pair).summary)
 

@@ -50,7 +50,20 @@ def slurm(hf_home):
     # the interpreter running the tests is the `python` of the job's launch line
     env.update(SLURM_CONF=conf, PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}")
     yield env
-    subprocess.run(["scancel", "--user", str(os.getuid())], env=env)  # a failed test's job stays no longer
+    subprocess.run(["scancel", "--user", str(os.getuid())], env=env)
+
+
+SUBMITTED: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def cancel_leftovers(slurm):
+    """A failed test's jobs end with it: left queued, they would hold the two nodes and fail every
+    test after it with a timeout of its own."""
+    yield
+    if SUBMITTED:
+        subprocess.run(["scancel", *SUBMITTED], env=slurm)
+        SUBMITTED.clear()
 
 
 def job_facts(env: dict, job: str) -> dict[str, str]:
@@ -65,22 +78,32 @@ def submit(env: dict, config: str, out: Path, *recipe_args: str) -> tuple[str, P
     log = out.parent / f"{out.name}.slurm.out"
     job = subprocess.run(["sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=1", f"--output={log}",
                           SBATCH, *recipe_args], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
-    return job.stdout.strip().split(";")[0], log
+    SUBMITTED.append(job.stdout.strip().split(";")[0])
+    return SUBMITTED[-1], log
 
 
-def wait_until(condition, what: str, timeout: float = 300, every: float = 0.1):
+def wait_until(condition, what: str, timeout: float = 300, every: float = 0.1, explain=lambda: ""):
     deadline = time.monotonic() + timeout
     while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}{explain()}"
         time.sleep(every)
     return value
+
+
+def stacks(env: dict, job: str, log: Path) -> str:
+    """What a job that did not end was doing: its state, and the Python stacks of its recipe
+    processes (SIGABRT makes faulthandler, which launch_env enables, print them into the log)."""
+    out = log.with_name(log.name.removesuffix(".slurm.out"))  # submit's naming
+    subprocess.run(["pkill", "-ABRT", "-f", f"recipes/train.py --output_dir {out} "])
+    time.sleep(3)
+    return f"\n{job_facts(env, job)}\n{log.read_text()[-8000:] if log.exists() else '(no log)'}"
 
 
 def finished(env: dict, job: str, log: Path) -> dict[str, str]:
     """The job's facts once it has ended for good (a requeued job passes through PENDING)."""
     facts = wait_until(lambda: (f := job_facts(env, job))["JobState"] in ("COMPLETED", "FAILED", "CANCELLED",
                                                                           "TIMEOUT", "NODE_FAIL") and f,
-                       f"job {job} to end", every=0.5)
+                       f"job {job} to end", every=0.5, explain=lambda: stacks(env, job, log))
     return {**facts, "log": log.read_text()}
 
 

@@ -17,6 +17,8 @@ With ACCELERATE_RECIPES_PROBE_DIR set, each rank appends JSON lines to <dir>/ran
                              site: the first caller outside torch (ACCELERATE_RECIPES_PROBE_SYNCS=1)
   {"applied_gradient": {...}} with a GradScaler (fp16), per optimizer step: the norm of the gradient
                              the optimizer really applies (unscaled, clipped), or that it skipped it
+  {"teardown": true}         the interpreter's teardown ran (atexit): train.py's several-process runs
+                             end without it (train_extras/resume/preemption.without_teardown)
   {"final": {...}}           at end_training: peak memory, what the strategy built, parameter sharding, optimizer
                              groups, the model's class, tied embeddings, tensor-parallel or HSDP
                              layout and replica drift, routers' correction biases, and fp32 logits of the
@@ -55,6 +57,7 @@ With probes on, a streamed training loader's rows are recorded by content: {"str
 The CPU harness (scripts/cpu_harness) is chained when ACCELERATE_RECIPES_CPU_HARNESS=1.
 """
 
+import atexit
 import json
 import os
 import re
@@ -103,6 +106,7 @@ def _install_probes():
     import facts
 
     Path(PROBE_DIR).mkdir(parents=True, exist_ok=True)
+    atexit.register(record, "teardown", True)
 
     prepare = Accelerator.prepare
 

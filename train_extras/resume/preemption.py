@@ -189,15 +189,28 @@ def run_cli(main, argv: list[str] | None = None) -> int:
     return without_teardown(config_run_cli(main_or_lost_rank, argv))
 
 
-def without_teardown(code: int) -> int:
-    """A run that used a process group ends here, without the interpreter's teardown. Freeing a gloo
-    process group joins its worker threads while holding the GIL, and a worker thread that is still
-    freeing a finished collective's tensors needs the GIL: a deadlock (seen once in a dozen 2-node
-    SLURM jobs: rank 1 hung after the run's last line, in ~ProcessGroupGloo under DDP's Reducer,
-    which kept the job alive). Everything the run writes is written and closed by then."""
+_KEPT_GROUPS = []
+
+
+def keep_process_group() -> None:
+    """Hold the default process group until the process ends (without_teardown). After
+    destroy_process_group, DDP's Reducer may be its last owner; freeing that (gc, or the end of
+    main) frees the gloo group while holding the GIL, and its destructor joins worker threads of
+    which one may still be freeing a finished collective's tensors, which needs the GIL: a hang
+    (seen in 2-node SLURM jobs: rank 1 never exited after the run's last line)."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if dist.is_available() and dist.is_initialized():
+        _KEPT_GROUPS.append(dist.group.WORLD)
+
+
+def without_teardown(code: int) -> int:
+    """A run that used a process group ends here, without the interpreter's teardown, which would
+    free the groups (the hang keep_process_group describes). Everything the run writes is written
+    and closed by then."""
+    import torch.distributed as dist
+
+    if not (_KEPT_GROUPS or (dist.is_available() and dist.is_initialized())):
         return code
     logging.shutdown()
     sys.stdout.flush()
