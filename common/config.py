@@ -62,13 +62,22 @@ class ModelOptions:
     preset: str = opt("mini", f"Random-init Llama preset: {', '.join(PRESET_NAMES)}. Ignored with a model path.")
     model_name_or_path: str | None = opt(None, "Local folder or Hub id of a causal LM to start from (+ its tokenizer).")
     tokenizer_name_or_path: str | None = opt(None, "Tokenizer (AutoTokenizer). Default: the model's, else bytes.")
-    gradient_checkpointing: bool = opt(False, "Recompute activations in backward: less memory, ~30%% more compute.")
+    gradient_checkpointing: str = field(default="false", metadata={
+        "help": "Recompute activations in backward. true: every block keeps only its input (least memory, "
+                "~30%% more compute); selective: keep matmul and attention outputs, recompute the element-wise "
+                "rest (common/model.SELECTIVE_SAVED); false. Alone, the flag means true.",
+        "nargs": "?", "const": "true", "choices": ("true", "selective", "false")})
     trust_remote_code: bool = opt(False, "Run the Python code a model or tokenizer folder ships (auto_map in its "
                                          "config). Off: such a folder is refused; a built-in model never needs it.")
     attn_implementation: str = opt("auto", "Attention kernel (transformers' name): auto (transformers' choice: sdpa "
                                            "where the model has it, else eager), sdpa, eager, flash_attention_2...")
 
     def check(self):
+        if isinstance(self.gradient_checkpointing, bool):  # from code: ...Config(gradient_checkpointing=True)
+            self.gradient_checkpointing = "true" if self.gradient_checkpointing else "false"
+        if self.gradient_checkpointing not in ("true", "selective", "false"):
+            raise ConfigError(f"--gradient_checkpointing {self.gradient_checkpointing}: choose true, selective "
+                              "or false")
         if self.model_name_or_path is None and self.preset not in PRESET_NAMES:
             raise ConfigError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESET_NAMES)}")
         for flag, name in (("model", self.model_name_or_path), ("tokenizer", self.tokenizer_name_or_path)):

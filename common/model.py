@@ -15,6 +15,7 @@ byte-level one), so parameter counts below are with that vocabulary:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -94,16 +95,49 @@ def build_model(cfg, vocab_size: int, dtype: torch.dtype = torch.float32) -> nn.
             f"cannot build the model: {str(err).splitlines()[0]}") from None
     if model.get_input_embeddings().num_embeddings < vocab_size:
         model.resize_token_embeddings(vocab_size)
-    if cfg.gradient_checkpointing:
-        # Non-reentrant checkpointing works with FSDP2 and with inputs that need no grad.
-        # transformers renamed the method (5.2x deprecates the old name); keep both working.
-        kwargs = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    enable_checkpointing(model, cfg.gradient_checkpointing)
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
     return model
+
+
+# Selective checkpointing keeps these ops' outputs and recomputes every other op of a block in its
+# backward: the matmuls and attention hold the FLOPs, the element-wise rest (norms, activations,
+# rotary, residual adds, casts) most of the saved bytes for a fraction of the time.
+SELECTIVE_SAVED = tuple(getattr(torch.ops.aten, name).default for name in (
+    "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention", "_flash_attention_forward",
+    "_efficient_attention_forward") if hasattr(torch.ops.aten, name))
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVED else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpoint_kwargs(mode: str) -> dict | None:
+    """torch.utils.checkpoint's arguments for --gradient_checkpointing `mode` (None: off). Non-reentrant
+    checkpointing works with FSDP2 and with inputs that need no grad."""
+    if mode == "false":
+        return None
+    if mode == "true":
+        return {"use_reentrant": False}
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return {"use_reentrant": False,
+            "context_fn": functools.partial(create_selective_checkpoint_contexts, _selective_policy)}
+
+
+def enable_checkpointing(model: nn.Module, mode: str) -> None:
+    """Every decoder block through transformers' own checkpointing switch, with checkpoint_kwargs(mode)."""
+    kwargs = checkpoint_kwargs(mode)
+    if kwargs is None:
+        return
+    # transformers renamed the method (5.2x deprecates the old name); keep both working.
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def build_optimizer(model: nn.Module, cfg, device: torch.device, params=None) -> torch.optim.AdamW:

@@ -20,8 +20,14 @@ def test_cli_types():
     cfg = parse_train(["--lr", "1e-4", "--max_steps", "7", "--warmup_steps", "0", "--gradient_checkpointing",
                        "--lr_schedule", "wsd",
                         "--save_model", "false"])
-    assert cfg.lr == 1e-4 and cfg.max_steps == 7 and cfg.gradient_checkpointing is True
+    assert cfg.lr == 1e-4 and cfg.max_steps == 7 and cfg.gradient_checkpointing == "true"  # the flag alone
     assert cfg.lr_schedule == "wsd" and cfg.save_model is False
+    for value in ("true", "selective", "false"):
+        assert parse_train(["--gradient_checkpointing", value]).gradient_checkpointing == value
+    with pytest.raises(ConfigError, match="invalid choice: 'some'"):
+        parse_train(["--gradient_checkpointing", "some"])
+    with pytest.raises(ConfigError, match="--gradient_checkpointing some: choose true, selective or false"):
+        TrainConfig(gradient_checkpointing="some")  # from code: the same check
 
 
 def test_yaml_then_cli_precedence(tmp_path):
@@ -33,7 +39,7 @@ def test_yaml_then_cli_precedence(tmp_path):
     cfg = parse_train(["--config", str(path), "--max_steps", "5", "--warmup_steps", "2"])
     assert cfg.lr == 1e-3  # YAML 1.1 reads 1e-3 as a string; the parser types it like the CLI does
     assert cfg.max_steps == 5  # the command line wins over the file
-    assert cfg.gradient_checkpointing is True
+    assert cfg.gradient_checkpointing == "true"  # YAML's boolean, spelled as the CLI spells it
     assert cfg.data_files == [str(data), str(data)]
 
 

@@ -7,8 +7,8 @@ import pytest
 import transformers
 from transformers import AutoConfig
 
-from conftest import (PAIRS, ROOT, TWO_RANK_ARGS, Run, check_export_reproduces_model, check_loss_goes_down,
-                      launch_two_processes, reference_run, served_workers)
+from conftest import (PAIRS, ROOT, TRAIN_ARGS, TWO_RANK_ARGS, Run, check_export_reproduces_model,
+                      check_loss_goes_down, launch, launch_two_processes, reference_run, served_workers)
 
 DISTRIBUTED_TYPE = {"ddp.yaml": "MULTI_CPU", "fsdp.yaml": "FSDP", "deepspeed_zero3_offload.yaml": "DEEPSPEED"}
 NUM_PARAMETER_TENSORS = 21  # debug preset: embedding, 2 x 9 per layer, final norm, lm_head
@@ -173,3 +173,38 @@ def test_warm_workers_train_as_fresh_interpreters(tmp_path, hf_home, two_process
     assert cold.batches == warm.batches
     assert [rank["probe_logits"] for rank in cold.final] == [rank["probe_logits"] for rank in warm.final]
     assert cold.summary["setup"]["distributed_type"] == warm.summary["setup"]["distributed_type"] == "FSDP"
+
+
+@pytest.mark.parametrize("pair", ["train.py/cpu.yaml", "train.py/ddp.yaml", "train.py/fsdp.yaml"])
+def test_selective_checkpointing_trains_as_without(pair, two_process_runs, train_run, tmp_path, hf_home,
+                                                   initial_model):
+    """--gradient_checkpointing selective (matmul and attention outputs kept, the rest recomputed in
+    backward): every logged loss and eval equal to the same run without checkpointing, on one process
+    and on 2 ranks under DDP and FSDP2 (the recomputed ops give the same values)."""
+    config = pair.split("/")[1]
+    args = ["--output_dir", str(tmp_path), "--gradient_checkpointing", "selective"]
+    if config == "cpu.yaml":
+        reference = train_run
+        proc = launch("train.py", TRAIN_ARGS + args, hf_home)
+    else:
+        reference = two_process_runs(pair)
+        args += ["--save_every", "30", "--sample_length", "8"]  # as two_process_runs launched it
+        if config != "ddp.yaml":
+            args += ["--model_name_or_path", str(initial_model)]
+        proc = launch_two_processes("train.py", config, TWO_RANK_ARGS + args, hf_home)
+    run = Run(tmp_path, proc)
+    assert run.summary["setup"]["options"]["gradient_checkpointing"] == "selective"
+    assert run.summary["losses"] == reference.summary["losses"]
+    assert run.summary["eval"] == reference.summary["eval"]
+
+
+def test_selective_checkpointing_is_refused_under_zero3(tmp_path, hf_home):
+    """ZeRO-3's parameter gathers inside a block cannot be replayed by torch's selective checkpointing:
+    one line, before the model is built, nothing written."""
+    proc = launch_two_processes("train.py", "deepspeed_zero3_offload.yaml",
+                                TWO_RANK_ARGS + ["--output_dir", str(tmp_path / "run"), "--gradient_checkpointing",
+                                                 "selective"], hf_home, check=False)
+    assert proc.returncode != 0
+    assert "error: --gradient_checkpointing selective does not work under DeepSpeed ZeRO-3" in proc.stderr
+    assert "Traceback" not in proc.stderr.split("error: --gradient_checkpointing")[0]
+    assert not (tmp_path / "run").exists()

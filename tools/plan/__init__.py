@@ -22,9 +22,11 @@ Where the numbers come from
   from the installed sources (deepspeed 0.19.8, torch 2.13, accelerate 1.15). Every term is a named
   entry with the file/line that justifies it, so a measurement that disagrees points at one term.
   `--textbook` swaps in the ZeRO paper's numbers (`textbook_bytes`).
-- Activations and logits (`activation_bytes`): measured, not taken from GPT constants. One real
-  transformers LlamaDecoderLayer of the model's dimensions (sdpa, causal, no mask) runs on the CPU
-  at a probe size (batch 1, min(seq_len, 256) tokens); `saved_tensors_hooks` sum the bytes of what
+- Activations and logits (`activation_bytes`): counted, not taken from GPT constants. One
+  transformers LlamaDecoderLayer of the model's dimensions (sdpa, causal, no mask) runs under fake
+  tensors (torch's FakeTensorMode: every op's shapes, dtypes and storages, no arithmetic, so an 8B
+  or 405B block answers in a second; the same probe on real CPU tensors gives the same bytes,
+  tests/test_plan.py) at a probe size (batch 1, min(seq_len, 256) tokens); `saved_tensors_hooks` sum the bytes of what
   autograd saves (deduplicated by storage, parameters excluded). The final norm + LM head + fp32
   cross-entropy of `common.model.causal_lm_loss` are probed the same way ("logits"). Results are
   scaled linearly to micro_batch_size x seq_len tokens. ASSUMPTION: attention keeps O(seq) memory
@@ -32,8 +34,14 @@ Where the numbers come from
   T x T scores). True for the GPU kernels and for the CPU flash kernel the probe runs; a math
   fallback (e.g. an explicit attention mask) would add O(seq^2) that this does not show.
   With activation checkpointing the probe wraps the layer in the same non-reentrant checkpoint
-  that common/model.py enables and measures what it keeps (the block's input); during backward one
-  block's full activations are recomputed, so peak adds one block's measured activations.
+  that common/model.py enables and measures what it keeps (full: the block's input; selective:
+  also the matmul and attention outputs, common/model.SELECTIVE_SAVED, seen as the storages alive
+  once forward ends); during a block's backward the rest is recomputed (full: all of it).
+  --loss_chunk_size: the head is train_extras/chunked_loss.py's own (hidden states kept, one chunk's
+  logits alive at a time).
+  Peak moments: the head's backward (every block's activations + the logits + the logits'
+  gradient) and a block's backward (the head's tensors freed; its recompute and gradients); the
+  larger counts, not both.
   The gradient tensors alive during one block's / the head's backward are measured too (live
   storages, tracked with a dispatch mode) and added as a transient.
   Columns: "activ" = the blocks' saved tensors + one block's backward transient (+ the recomputed

@@ -1,5 +1,7 @@
-"""Activations and logits, measured on the CPU: one real decoder block and the LM head run under
-saved_tensors_hooks at a probe size, then scaled to the run's tokens."""
+"""Activations and logits, counted: one transformers decoder block and the LM head run under
+saved_tensors_hooks at a probe size, then scaled to the run's tokens. They run under fake tensors
+(torch's FakeTensorMode: shapes, dtypes and storages, no arithmetic), so a 405B block costs what a
+tiny one does; `fake=False` runs the same code on real CPU tensors (tests hold the two equal)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,13 @@ def _param_copy(t, params: dict) -> bool:
     return False
 
 
+def _storage_key(t) -> int:
+    """A storage's identity, real or fake (a fake tensor's storage has no data pointer)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage()).cdata
+
+
 class SavedBytes:
     """Context manager: sums the bytes of the tensors autograd saves for backward, once per storage,
     leaving out parameters and the storages in `exclude`. `.saved`: activations; `.copies`:
@@ -36,14 +45,14 @@ class SavedBytes:
         import torch
 
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._params = {p.untyped_storage().data_ptr() for p in params}
+        self._params = {_storage_key(p) for p in params}
         self._param_ids = {id(p): p.numel() for p in params}
-        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._exclude = {_storage_key(t) for t in exclude}
         self._saved, self._copies = {}, {}
 
     def _pack(self, t):
         storage = t.untyped_storage()
-        key = storage.data_ptr()
+        key = _storage_key(t)
         if key not in self._params and key not in self._exclude:
             (self._copies if _param_copy(t, self._param_ids) else self._saved)[key] = storage.nbytes()
         return t  # keeps the tensor alive, so data_ptr keys cannot be reused during the forward
@@ -135,36 +144,66 @@ def _zeroed(module, dtype):
     return module
 
 
-@functools.lru_cache(maxsize=32)
-def probe_block(dims: tuple, regime: str, tokens: int) -> dict:
-    """Bytes one decoder block keeps for backward at `tokens` tokens (batch 1), measured.
+def _tensors(fake: bool):
+    """The probes' tensors: fake (torch's FakeTensorMode, no storage behind them) or real CPU ones."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    Returns {saved, copies, rope, checkpointed, backward_extra, tokens, ckpt_tokens, seconds}:
+    return FakeTensorMode() if fake else contextlib.nullcontext()
+
+
+def _built(make, dtype, fake: bool):
+    """A module made by `make()`: inside the fake mode as it is, else built on the meta device and
+    materialised with zeros (the values change nothing autograd saves)."""
+    import torch
+
+    if fake:  # a fake tensor's dtype cannot be converted in place (.to swaps it): made in `dtype`
+        before = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            return make()
+        finally:
+            torch.set_default_dtype(before)
+    with torch.device("meta"):
+        module = make()
+    return _zeroed(module, dtype)
+
+
+@functools.lru_cache(maxsize=32)
+def probe_block(dims: tuple, regime: str, tokens: int, fake: bool = True) -> dict:
+    """Bytes one decoder block keeps for backward at `tokens` tokens (batch 1), counted.
+
+    Returns {saved, copies, rope, checkpointed, selective, backward_extra, tokens, ckpt_tokens, seconds}:
     saved = activations autograd keeps (rotary cos/sin left out: the model shares them between
     blocks, counted once as `rope`); copies = autocast weight copies it keeps; checkpointed = what
-    the block keeps under non-reentrant checkpointing (at ckpt_tokens); backward_extra = peak bytes
-    of gradients/temporaries on top of the saved ones while the block runs backward.
+    the block keeps under non-reentrant checkpointing (at ckpt_tokens); selective = what it keeps
+    under train.py's selective checkpointing (common/model.SELECTIVE_SAVED); backward_extra = peak
+    bytes of gradients/temporaries on top of the saved ones while the block runs backward.
     """
+    start = time.perf_counter()
+    param_dtype, act_dtype, autocast = _regime(regime)
+    config = _probe_config(dims)
+    with _tensors(fake):
+        return _probe_block(config, dims, param_dtype, act_dtype, autocast, tokens, fake, start)
+
+
+def _probe_block(config, dims, param_dtype, act_dtype, autocast, tokens, fake, start) -> dict:
     import torch
     from torch.utils.checkpoint import checkpoint
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-    start = time.perf_counter()
-    param_dtype, act_dtype, autocast = _regime(regime)
-    config = _probe_config(dims)
-    with torch.device("meta"):
-        layer = LlamaDecoderLayer(config, layer_idx=0)
-    layer = _zeroed(layer, param_dtype).train()
+    from common.model import checkpoint_kwargs
+
+    layer = _built(lambda: LlamaDecoderLayer(config, layer_idx=0), param_dtype, fake).train()
     rope = LlamaRotaryEmbedding(config)
     params = list(layer.parameters())
     amp = (lambda: torch.autocast("cpu", dtype=autocast)) if autocast else contextlib.nullcontext
 
-    def run(n, ckpt=False):
+    def run(n, ckpt=None):
         x = torch.zeros(1, n, dims[0], dtype=act_dtype, requires_grad=True)
         position_ids = torch.arange(n)[None]
         cos, sin = rope(x, position_ids)
         fn = lambda h: layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=(cos, sin))  # noqa
-        return x, (cos, sin), (lambda h: checkpoint(fn, h, use_reentrant=False)) if ckpt else fn
+        return x, (cos, sin), (lambda h: checkpoint(fn, h, **checkpoint_kwargs(ckpt))) if ckpt else fn
 
     with torch.enable_grad():
         x, rope_t, fn = run(tokens)
@@ -178,34 +217,59 @@ def probe_block(dims: tuple, regime: str, tokens: int) -> dict:
         backward_extra = max(0, tracker.peak - base)
         del out
         ckpt_tokens = min(tokens, CKPT_PROBE_TOKENS)
-        xc, _, fnc = run(ckpt_tokens, ckpt=True)
+        xc, _, fnc = run(ckpt_tokens, ckpt="true")
         with SavedBytes(params) as kept, amp():
             outc = fnc(xc)
         del outc
+        # Selective: the kept matmul/attention outputs live in the checkpoint's own cache, out of
+        # saved_tensors_hooks' sight: what is alive once forward ends, less the block's output
+        # (the next block's input), plus the input the checkpoint keeps.
+        xs, _, fns = run(tokens, ckpt="selective")
+        tracker = live_tracker(params)
+        with tracker, amp():
+            outs = fns(xs)
+            outs = outs[0] if isinstance(outs, tuple) else outs
+        selective = tracker.live() - outs.untyped_storage().nbytes() + xs.untyped_storage().nbytes()
+        del outs
     return dict(saved=counted.saved, copies=counted.copies, rope=sum(t.untyped_storage().nbytes() for t in rope_t),
-                checkpointed=kept.saved, backward_extra=backward_extra, tokens=tokens, ckpt_tokens=ckpt_tokens,
-                seconds=time.perf_counter() - start)
+                checkpointed=kept.saved, selective=selective, backward_extra=backward_extra, tokens=tokens,
+                ckpt_tokens=ckpt_tokens, seconds=time.perf_counter() - start)
 
 
 @functools.lru_cache(maxsize=32)
-def probe_head(dims: tuple, regime: str, tokens: int) -> dict:
+def probe_head(dims: tuple, regime: str, tokens: int, fake: bool = True, chunk: int = 0) -> dict:
     """Bytes the embedding lookup, final RMSNorm, lm_head and fp32 cross-entropy of
-    common.model.causal_lm_loss keep for backward (the "logits" bucket), measured at `tokens`.
+    common.model.causal_lm_loss keep for backward (the "logits" bucket), counted at `tokens`; with
+    `chunk`, train.py's --loss_chunk_size head (train_extras/chunked_loss.py) instead.
     Returns {saved, copies, backward_extra, tokens, seconds}; backward_extra = peak bytes of the
     logits' gradients/temporaries on top of the saved ones (forward upcast and backward)."""
-    import torch
     from torch import nn
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     start = time.perf_counter()
     param_dtype, _, autocast = _regime(regime)
     hidden, vocab, eps = dims[0], dims[5], dims[6]
-    with torch.device("meta"):
-        embed, norm, head = nn.Embedding(vocab, hidden), LlamaRMSNorm(hidden, eps=eps), nn.Linear(hidden, vocab, False)
-    embed, norm, head = (_zeroed(m, param_dtype) for m in (embed, norm, head))
+    with _tensors(fake):
+        embed, norm, head = (_built(make, param_dtype, fake) for make in (
+            lambda: nn.Embedding(vocab, hidden), lambda: LlamaRMSNorm(hidden, eps=eps),
+            lambda: nn.Linear(hidden, vocab, False)))
+        return _probe_head(embed, norm, head, vocab, autocast, tokens, chunk, start)
+
+
+def _probe_head(embed, norm, head, vocab, autocast, tokens, chunk, start) -> dict:
+    import types
+
+    import torch
+    from torch import nn
+
+    from train_extras import chunked_loss
+
     params = [p for m in (embed, norm, head) for p in m.parameters()]
     amp = (lambda: torch.autocast("cpu", dtype=autocast)) if autocast else contextlib.nullcontext
     ids = torch.zeros(1, tokens, dtype=torch.long)
+    if chunk:  # the head's forward returns each token's loss, chunk by chunk under checkpointing
+        chunked_loss.install(types.SimpleNamespace(get_output_embeddings=lambda: head), chunk)
+        head.loss_targets = ids
     with torch.enable_grad():
         tracker = live_tracker(params)
         with tracker, SavedBytes(params) as counted:
@@ -213,8 +277,9 @@ def probe_head(dims: tuple, regime: str, tokens: int) -> dict:
                 h = embed(ids)
                 logits = head(norm(h))
             # causal_lm_loss: logits upcast to fp32 outside autocast (accelerate's
-            # convert_outputs_to_fp32 does the same), then cross-entropy.
-            loss = nn.functional.cross_entropy(logits.float().reshape(-1, vocab), ids.reshape(-1))
+            # convert_outputs_to_fp32 does the same), then cross-entropy; chunked: their mean.
+            loss = (logits.float().mean() if chunk else
+                    nn.functional.cross_entropy(logits.float().reshape(-1, vocab), ids.reshape(-1)))
             del logits
         base = tracker.live()
         with tracker:
@@ -223,45 +288,66 @@ def probe_head(dims: tuple, regime: str, tokens: int) -> dict:
                 tokens=tokens, seconds=time.perf_counter() - start)
 
 
+CHECKPOINTING = {False: "none", True: "full", "false": "none", "true": "full", "none": "none", "full": "full",
+                 "selective": "selective"}  # the planner's names, and train.py's --gradient_checkpointing values
+
+
 def activation_bytes(shape: ModelShape, regime: str, seq_len: int, micro_batch_size: int,
-                     activation_checkpointing: bool = False) -> dict:
-    """Activation memory per GPU for micro_batch_size x seq_len tokens, from the CPU probes scaled
+                     activation_checkpointing: bool | str = False, loss_chunk_size: int = 0) -> dict:
+    """Activation memory per GPU for micro_batch_size x seq_len tokens, from the probes scaled
     linearly (see tools/plan/__init__.py for the O(seq) assumption).
+    activation_checkpointing: none | full | selective (or a bool: full or none).
 
     Returns {activations, blocks, recompute, rope, logits, weight_copies, backward, backward_block,
-    backward_head, tokens, probe}:
+    backward_head, at_head, tokens, probe}:
       activations = blocks + recompute + rope
-      blocks: what L blocks keep from forward to backward (their saved tensors; with checkpointing
-              their inputs only)
-      recompute: with checkpointing, one block's full activations, recomputed during its backward
+      blocks: what L blocks keep from forward to backward (their saved tensors; with full
+              checkpointing their inputs only; selective: inputs, matmul and attention outputs)
+      recompute: with checkpointing, what one block recomputes during its backward (full: all of
+              its activations; selective: those it did not keep)
       rope: rotary cos/sin, computed once per forward and shared by the blocks
-      logits: what the embedding/final norm/lm_head/cross-entropy keep (fp32 log-probs dominate)
+      logits: what the embedding/final norm/lm_head/cross-entropy keep (fp32 log-probs dominate;
+              with loss_chunk_size, the hidden states the chunks recompute from)
       weight_copies: autocast's low-precision weight copies kept for backward (L blocks' + lm_head;
                    one block's + lm_head's with checkpointing)
-      backward = backward_block + backward_head (both added although they are never alive together)
       backward_block: gradients and temporaries alive during the backward of one block
       backward_head: the same for the head: the logits' gradient (fp32, tokens x vocab, and its cast
-                back to the compute dtype) dominates; large for a large vocabulary
+                back to the compute dtype) dominates; with loss_chunk_size, one chunk's
+      backward: the larger of the two moments' transients (never alive together): the head's
+                backward (logits kept + backward_head) runs first; by the blocks' backward the
+                head's tensors are freed (recompute + backward_block)
+      at_head: True when the head's moment is the larger (the peak's moment)
+      peak: what lives at that moment: blocks + rope + the larger of (logits + backward_head) and
+            (recompute + backward_block)
     """
+    mode = CHECKPOINTING[activation_checkpointing]
     tokens = micro_batch_size * seq_len
     probe_tokens = min(seq_len, PROBE_TOKENS)
     block = probe_block(shape.dims, regime, probe_tokens)
-    head = probe_head(shape.dims, regime, min(probe_tokens, 64))  # no attention: exactly linear
     per = lambda probe, key, n=None: probe[key] * tokens / (n or probe["tokens"])  # noqa: E731
+    if loss_chunk_size:  # kept bytes grow with the tokens, the transient with one chunk only
+        head = probe_head(shape.dims, regime, min(tokens, 2 * loss_chunk_size), chunk=loss_chunk_size)
+        logits, backward_head = per(head, "saved"), float(head["backward_extra"])
+    else:
+        head = probe_head(shape.dims, regime, min(probe_tokens, 64))  # no attention: exactly linear
+        logits, backward_head = per(head, "saved"), per(head, "backward_extra")
     L = shape.layers
     rope = block["rope"] * seq_len / block["tokens"]  # cos/sin: one row per position, shared by the batch
     # Weight copies do not grow with tokens: one per weight, kept until its backward (with
     # checkpointing only the recomputed block's and lm_head's exist at once).
-    if activation_checkpointing:
+    if mode == "full":
         blocks, recompute = L * per(block, "checkpointed", block["ckpt_tokens"]), per(block, "saved")
-        copies = block["copies"] + head["copies"]
+    elif mode == "selective":
+        blocks, recompute = L * per(block, "selective"), per(block, "saved") - per(block, "selective")
     else:
         blocks, recompute = L * per(block, "saved"), 0.0
-        copies = L * block["copies"] + head["copies"]
-    backward_block, backward_head = per(block, "backward_extra"), per(head, "backward_extra")
+    copies = (L if mode == "none" else 1) * block["copies"] + head["copies"]
+    backward_block = per(block, "backward_extra")
+    at_head = logits + backward_head >= recompute + backward_block
+    peak = blocks + rope + max(logits + backward_head, recompute + backward_block)
     return dict(activations=blocks + recompute + rope, blocks=blocks, recompute=recompute, rope=rope,
-                logits=per(head, "saved"), weight_copies=copies, backward=backward_block + backward_head,
-                backward_block=backward_block, backward_head=backward_head, tokens=tokens,
+                logits=logits, weight_copies=copies, backward_block=backward_block, backward_head=backward_head,
+                backward=backward_head if at_head else backward_block, at_head=at_head, peak=peak, tokens=tokens,
                 probe=dict(block=block, head=head))
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from dataclasses import dataclass
 
 from tools.plan.ladder import GB, GPUS_PER_NODE, LADDER, MAX_GPUS, ModelShape, Rung, ladder
-from tools.plan.activations import activation_bytes, regime_of
+from tools.plan.activations import CHECKPOINTING, activation_bytes, regime_of
 from tools.plan.states import model_state_bytes
 
 
@@ -20,7 +20,7 @@ class Request:
     precision: str = "bf16"
     seq_len: int = 256
     micro_batch_size: int = 16
-    activation_checkpointing: bool = False
+    activation_checkpointing: str = "none"  # none | full | selective (a bool: full or none)
     textbook: bool = False
     reserve_gb: float = 2.0
     host_memory_gb: float | None = None  # CPU RAM per machine; None: host RAM is not checked
@@ -29,6 +29,10 @@ class Request:
     lora_r: int | None = None  # train.py's --lora_r: the model's shape then holds its adapters' count
     gradient_accumulation_steps: int = 1
     fsdp_sync_each_batch: bool = True  # train.py's: False keeps FSDP2's whole gradient between micro-batches
+    loss_chunk_size: int = 0  # train.py's --loss_chunk_size: the head's logits a chunk at a time
+
+    def __post_init__(self):
+        object.__setattr__(self, "activation_checkpointing", CHECKPOINTING[self.activation_checkpointing])
 
     @property
     def usable(self) -> float:
@@ -66,13 +70,16 @@ def evaluate(model: ModelShape | float, req: Request) -> list[dict]:
                                    and not req.fsdp_sync_each_batch)
         dev, tr = states["at_step"]["device"], states["transient"]
         act = (activation_bytes(shape, regime_of(rung, req.precision), req.seq_len, req.micro_batch_size,
-                                req.activation_checkpointing) if shape else None)
-        # Peak composition during forward/backward; each column's share of it. The blocks' backward
-        # transient goes with the activations, the head's (the logits' gradient) with the logits.
+                                req.activation_checkpointing, req.loss_chunk_size) if shape else None)
+        # Peak composition during forward/backward at its moment (activation_bytes: the head's
+        # backward, with every block's activations and the logits' gradient, or a block's backward,
+        # with its recompute, once the head's tensors are freed); each column's share of it.
+        at_head = act is not None and act["at_head"]
         cols = dict(params=dev["params"] + tr["in_flight"] + (act["weight_copies"] if act else 0),
                     grads=dev["grads"] + tr["backward"], optimizer=dev["optimizer"], buffers=dev["buffers"],
-                    activations=act["activations"] + act["backward_block"] if act else 0.0,
-                    logits=act["logits"] + act["backward_head"] if act else 0.0)
+                    activations=(act["blocks"] + act["rope"] + (0.0 if at_head else act["recompute"]
+                                                                + act["backward_block"])) if act else 0.0,
+                    logits=act["logits"] + act["backward_head"] if at_head else 0.0)
         candidates = dict(forward_backward=sum(cols.values()), optimizer_step=dev["total"] + tr["optimizer_step"],
                           init=states["at_init"]["device"]["total"])
         peak_at = max(candidates, key=candidates.get)  # ties: forward_backward (listed first)
@@ -110,7 +117,7 @@ def launch_line(rung: Rung, req: Request, model_args: str) -> str:
         parts.append(f"--deepspeed_config_file my_{Path(rung.config).stem}.json")
     elif req.precision != "bf16":  # every other config in the ladder says bf16
         parts.append(f"--mixed_precision {'no' if req.precision == 'fp32' else 'fp16'}")
-    if req.activation_checkpointing and rung.framework == "fsdp":
+    if req.activation_checkpointing == "full" and rung.framework == "fsdp":
         parts.append("--fsdp_activation_checkpointing true")  # the configs' advice: FSDP's own switch
     parts += ["recipes/train.py", model_args, f"--seq_len {req.seq_len}", f"--micro_batch_size {req.micro_batch_size}"]
     if req.optimizer == "muon":
@@ -121,8 +128,11 @@ def launch_line(rung: Rung, req: Request, model_args: str) -> str:
         parts.append(f"--gradient_accumulation_steps {req.gradient_accumulation_steps}")
     if not req.fsdp_sync_each_batch and rung.framework == "fsdp":
         parts.append("--fsdp_sync_each_batch false")
-    if req.activation_checkpointing and rung.framework != "fsdp":
-        parts.append("--gradient_checkpointing")
+    if req.activation_checkpointing == "selective" or (req.activation_checkpointing == "full"
+                                                       and rung.framework != "fsdp"):
+        parts.append(f"--gradient_checkpointing {'true' if req.activation_checkpointing == 'full' else 'selective'}")
+    if req.loss_chunk_size:
+        parts.append(f"--loss_chunk_size {req.loss_chunk_size}")
     line = " ".join(parts)
     if req.precision != "bf16" and rung.framework == "deepspeed":
         name, fp16 = Path(rung.config).stem, "true" if req.precision == "fp16" else "false"
@@ -214,8 +224,14 @@ def advice(model, req: Request, model_args: str) -> list[str]:
                      f"of which {(best_off['columns']['activations'] + best_off['columns']['logits']) / GB:.1f} GB "
                      f"activations + logits and {states / GB:.1f} GB parameters/gradients in flight: does not fit"
                      f"{host}")
-    ac_works = not req.activation_checkpointing and report("activation checkpointing",
-                                                              dataclasses.replace(req, activation_checkpointing=True))
+    # Checkpointing, the cheaper recompute first: selective, then every block.
+    ac_works = None
+    if req.activation_checkpointing == "none":
+        ac_works = report("selective activation checkpointing",
+                          dataclasses.replace(req, activation_checkpointing="selective"))
+    if req.activation_checkpointing != "full" and not ac_works:
+        ac_works = report("activation checkpointing (every block)",
+                          dataclasses.replace(req, activation_checkpointing="full"))
 
     def smaller(r: Request, micro: int) -> Request:  # the same batch in more micro-batches
         k = math.ceil(r.micro_batch_size / micro) * r.gradient_accumulation_steps
@@ -232,8 +248,8 @@ def advice(model, req: Request, model_args: str) -> list[str]:
                smaller(req, micro))
     elif req.micro_batch_size > 1:
         lines.append("  - smaller micro-batch: not even micro_batch_size 1 fits")
-    if not (ac_works or micro or req.activation_checkpointing):  # neither lever alone: both together
-        both = dataclasses.replace(req, activation_checkpointing=True)
+    if not (ac_works or micro or req.activation_checkpointing == "full"):  # neither lever alone: both together
+        both = dataclasses.replace(req, activation_checkpointing="full")
         if (micro := largest_micro(both)):
             report(f"activation checkpointing + micro_batch_size {micro}", smaller(both, micro))
         else:

@@ -36,7 +36,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16", help="default bf16")
     p.add_argument("--seq_len", type=int, default=256, help="tokens per sequence (train.py's default: 256)")
     p.add_argument("--micro_batch_size", type=int, default=16, help="sequences per GPU per step (train.py's: 16)")
-    p.add_argument("--activation_checkpointing", action="store_true", help="checkpoint every block")
+    p.add_argument("--activation_checkpointing", nargs="?", const="full", default="none",
+                   choices=("none", "full", "selective"),
+                   help="train.py's --gradient_checkpointing: full (every block keeps its input; the flag alone), "
+                        "selective (matmul and attention outputs kept, the rest recomputed) or none (default)")
+    p.add_argument("--loss_chunk_size", type=int, default=0,
+                   help="train.py's: the LM head and cross-entropy N tokens at a time (default 0: all at once)")
     p.add_argument("--textbook", action="store_true", help="model states from the ZeRO paper instead")
     p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
                    help="train.py's --optimizer: muon keeps one fp32 state per hidden-matrix parameter, AdamW two; "
@@ -143,8 +148,8 @@ def render(model, req: Request, rows: list[dict], model_args: str) -> str:
         out.append(f"Memory plan for {_count(float(model))} parameters (no shape: model states only)")
     out.append(f"{req.gpus} x {req.gpu_memory_gb:g} GB GPUs ({req.usable / GB:g} GB usable each: {req.reserve_gb:g} GB "
                f"reserved for CUDA context, NCCL, fragmentation), {req.precision}, seq_len {req.seq_len}, "
-               f"micro_batch_size {req.micro_batch_size}, activation checkpointing "
-               f"{'on' if req.activation_checkpointing else 'off'}")
+               f"micro_batch_size {req.micro_batch_size}, activation checkpointing {req.activation_checkpointing}"
+               + (f", loss_chunk_size {req.loss_chunk_size}" if req.loss_chunk_size else ""))
     if req.optimizer == "muon":
         out.append(f"--optimizer muon: torch's Muon on the {_count(shape.muon_params)} hidden-matrix parameters (one "
                    "fp32 momentum each), AdamW on the rest (two); one-GPU and DDP rungs only (train.py refuses Muon "
@@ -161,7 +166,8 @@ def render(model, req: Request, rows: list[dict], model_args: str) -> str:
     if shape:
         probes = {regime_of(r["rung"], req.precision) for r in rows}
         secs = sum(probe_block(shape.dims, g, min(req.seq_len, PROBE_TOKENS))["seconds"] for g in probes)
-        out.append(f"Activations measured on one {'Llama' if shape.llama else 'Llama-shaped'} decoder block "
+        out.append(f"Activations counted on one {'Llama' if shape.llama else 'Llama-shaped'} decoder block "
+                   f"under fake tensors "
                    f"({', '.join(sorted(probes))}; {min(req.seq_len, PROBE_TOKENS)} tokens, {secs:.1f} s), scaled to "
                    f"{req.micro_batch_size * req.seq_len} tokens per GPU (assumes O(seq) attention: flash/SDPA).")
     else:
@@ -248,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
                       reserve_gb=args.reserve_gb, host_memory_gb=args.host_memory_gb,
                       gpus_per_node=args.gpus_per_node, optimizer=args.optimizer, lora_r=args.lora_r,
                       gradient_accumulation_steps=args.gradient_accumulation_steps,
-                      fsdp_sync_each_batch=args.fsdp_sync_each_batch == "true")
+                      fsdp_sync_each_batch=args.fsdp_sync_each_batch == "true",
+                      loss_chunk_size=args.loss_chunk_size)
         if args.params is not None:
             model, model_args = args.params, "--model_name_or_path <MODEL>"
         else:

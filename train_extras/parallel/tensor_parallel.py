@@ -60,6 +60,7 @@ import torch
 from torch import nn
 
 from common.config import ConfigError, tensor_parallel_size
+from common.model import enable_checkpointing
 
 SHARDED_STATE_DIR = "model_optimizer_dcp"  # inside a checkpoint folder
 
@@ -342,8 +343,7 @@ def load_with_tp_plan(folder: str, cfg, tp_size: int, accelerator) -> nn.Module:
         raise ConfigError(f"transformers sharded the model over ranks {sorted(meshes)}, not accelerate's TP group "
                           f"{expected}; this transformers version needs another route "
                           "(train_extras/parallel/tensor_parallel.parallelize)")
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model, cfg.gradient_checkpointing)
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
     return model
 
