@@ -15,7 +15,6 @@ byte-level one), so parameter counts below are with that vocabulary:
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -109,10 +108,31 @@ SELECTIVE_SAVED = tuple(getattr(torch.ops.aten, name).default for name in (
     "_efficient_attention_forward") if hasattr(torch.ops.aten, name))
 
 
-def _selective_policy(ctx, op, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
+def _selective_contexts():
+    """(forward, recompute) dispatch modes for torch.utils.checkpoint's context_fn: forward keeps the
+    outputs of SELECTIVE_SAVED ops, the recompute hands them back in the same order and runs every
+    other op. torch's own create_selective_checkpoint_contexts also requires every recomputed op to
+    have run in forward, which ZeRO-3 breaks: it gathers a block's parameters inside the recompute
+    but before the block's forward (prefetch)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_map_only
 
-    return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVED else CheckpointPolicy.PREFER_RECOMPUTE
+    kept: dict = {}
+
+    class Keep(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in SELECTIVE_SAVED:
+                kept.setdefault(func, []).append(tree_map_only(torch.Tensor, torch.Tensor.detach, out))
+            return out
+
+    class Reuse(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if kept.get(func):
+                return kept[func].pop(0)
+            return func(*args, **(kwargs or {}))
+
+    return Keep(), Reuse()
 
 
 def checkpoint_kwargs(mode: str) -> dict | None:
@@ -120,12 +140,7 @@ def checkpoint_kwargs(mode: str) -> dict | None:
     checkpointing works with FSDP2 and with inputs that need no grad."""
     if mode == "false":
         return None
-    if mode == "true":
-        return {"use_reentrant": False}
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    return {"use_reentrant": False,
-            "context_fn": functools.partial(create_selective_checkpoint_contexts, _selective_policy)}
+    return {"use_reentrant": False, **({"context_fn": _selective_contexts} if mode == "selective" else {})}
 
 
 def enable_checkpointing(model: nn.Module, mode: str) -> None:

@@ -171,7 +171,6 @@ def build_accelerator(cfg) -> Accelerator:
               flush=True)
     muon.check_launch(cfg, accelerator)  # Muon needs whole matrices: not sharded ones
     chunked_loss.check_launch(cfg, accelerator)  # nor a head split across ranks
-    deepspeed_settings.check_checkpointing(cfg, accelerator)
     return accelerator
 
 

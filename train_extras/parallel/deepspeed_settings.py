@@ -33,17 +33,6 @@ def configure(accelerator, cfg) -> None:
         clipping(accelerator.state.deepspeed_plugin.deepspeed_config, cfg.max_grad_norm)
 
 
-def check_checkpointing(cfg, accelerator) -> None:
-    """Before the model is built: ZeRO-3 gathers each parameter inside the checkpointed blocks, in
-    forward and again in the recompute, and torch's selective checkpointing cannot replay those
-    collectives ("c10d._allgather_base_ encountered during backward but not found in storage")."""
-    if (cfg.gradient_checkpointing == "selective" and accelerator.distributed_type == DistributedType.DEEPSPEED
-            and accelerator.state.deepspeed_plugin.zero_stage == 3):
-        raise ConfigError("--gradient_checkpointing selective does not work under DeepSpeed ZeRO-3 (its parameter "
-                          "gathers inside a block cannot be replayed): use --gradient_checkpointing true, or "
-                          "selective with an FSDP2 config")
-
-
 def weights_dtype(accelerator) -> torch.dtype:
     """The dtype to build or load the model in. fp32 wherever mixed precision autocasts over fp32
     master weights (one process, DDP, FSDP2's MixedPrecisionPolicy); DeepSpeed's bf16/fp16 engine
