@@ -39,6 +39,16 @@ def steady_median(summary_: dict, key: str = "tokens_per_s") -> float:
     return float(np.median(values[1:] if len(values) > 1 else values))
 
 
+def median_seconds(fn, repeats: int = 3) -> float:
+    """The median wall time of `repeats` calls of fn()."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
 def machine() -> dict:
     import accelerate
     import torch

@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import json
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from datetime import date
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_utils import ROOT, write_results  # noqa: E402
+from bench_utils import ROOT, median_seconds, write_results  # noqa: E402
 
 MODES = ("false", "selective", "true")
 CHUNKS = (0, 1024)
@@ -67,18 +65,14 @@ def one_case(folder: str, mode: str, chunk: int) -> dict:
     before = rss_bytes()
     loss = step(SEQ)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        step(SEQ)
-        times.append(time.perf_counter() - start)
+    seconds = median_seconds(lambda: step(SEQ))
     # The same step once more, every tensor storage tracked: the peak of the bytes alive at once
     # beyond what existed before it (what an allocator must hold at least, without its own slack).
     tracker = live_tracker(list(model.parameters()) + [p.grad for p in model.parameters()])
     with tracker:
         step(SEQ)
     return {"mode": mode, "chunk": chunk, "loss": loss, "step_peak_bytes": peak - before,
-            "tensor_peak_bytes": tracker.peak, "step_s": statistics.median(times)}
+            "tensor_peak_bytes": tracker.peak, "step_s": seconds}
 
 
 def main() -> None:

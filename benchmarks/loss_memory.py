@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import json
 import resource
-import statistics
 import subprocess
 import sys
-import time
 from datetime import date
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_utils import ROOT, write_results  # noqa: E402
+from bench_utils import ROOT, median_seconds, write_results  # noqa: E402
 
 VOCABS = (32768, 131072)
 CHUNKS = (0, 4096, 1024)  # 0: the plain loss; 4096: one chunk for the whole micro-batch (no saving)
@@ -59,12 +57,8 @@ def one_case(vocab: int, chunk: int) -> dict:
     before = rss_bytes()
     step(SEQ)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        step(SEQ)
-        times.append(time.perf_counter() - start)
-    return {"vocab": vocab, "chunk": chunk, "step_peak_bytes": peak - before, "step_s": statistics.median(times),
+    seconds = median_seconds(lambda: step(SEQ))
+    return {"vocab": vocab, "chunk": chunk, "step_peak_bytes": peak - before, "step_s": seconds,
             "fp32_logits_bytes": BATCH * SEQ * vocab * 4}
 
 
