@@ -115,21 +115,29 @@ def _selective_contexts():
     have run in forward, which ZeRO-3 breaks: it gathers a block's parameters inside the recompute
     but before the block's forward (prefetch)."""
     from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_map_only
+    from torch.utils._pytree import tree_flatten, tree_unflatten
 
     kept: dict = {}
+
+    def alias(t):  # beneath autograd, detach must go through ADInplaceOrView to share t's version counter
+        with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+            return t.detach()
 
     class Keep(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if func in SELECTIVE_SAVED:
-                kept.setdefault(func, []).append(tree_map_only(torch.Tensor, torch.Tensor.detach, out))
+            if func in SELECTIVE_SAVED:  # with their versions: an output changed in place later is recomputed
+                flat, spec = tree_flatten(out)
+                kept.setdefault(func, []).append(([alias(t) if isinstance(t, torch.Tensor) else t for t in flat],
+                                                  [getattr(t, "_version", None) for t in flat], spec))
             return out
 
     class Reuse(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if kept.get(func):
-                return kept[func].pop(0)
+                flat, versions, spec = kept[func].pop(0)
+                if all(getattr(t, "_version", None) == v for t, v in zip(flat, versions)):
+                    return tree_unflatten(flat, spec)
             return func(*args, **(kwargs or {}))
 
     return Keep(), Reuse()

@@ -91,3 +91,25 @@ def test_selective_checkpointing_same_loss_and_gradients_memory_between():
     for name, grad in results["false"][1].items():
         torch.testing.assert_close(results["selective"][1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
     assert kept["true"] < kept["selective"] < 0.8 * kept["false"]
+
+
+def test_selective_checkpointing_recomputes_an_output_changed_in_place():
+    """A kept matmul output that forward then changes in place (mul_) is recomputed, not handed back
+    changed: the gradients equal those without checkpointing. Handed back as kept, the recompute
+    would double it a second time and the relu's mask, hence the input's gradient, would differ."""
+    from torch.utils.checkpoint import checkpoint
+
+    from common.model import checkpoint_kwargs
+
+    weight = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
+
+    def block(x):
+        return (torch.mm(x, weight).mul_(2) - 1.0).relu().sum()
+
+    grads = []
+    for kwargs in (None, checkpoint_kwargs("selective")):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        loss = block(x) if kwargs is None else checkpoint(block, x, **kwargs)
+        loss.backward()
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[1], grads[0], atol=0, rtol=0)
