@@ -462,6 +462,8 @@ def test_flash_attention_keeps_the_documents_of_several_rows_apart_by_giving_the
     modes = {kernel: document_mask.resolve(model, accelerator, parse_train([]), 100, None)
              for kernel, model in models.items()}
     assert modes == {"sdpa": ("position_ids", None), "varlen_like_cpu": ("position_ids+cu_seq_lens", None)}
+    one_row = parse_train(["--micro_batch_size", "1"])  # one row: the position ids alone, as before
+    assert document_mask.resolve(models["varlen_like_cpu"], accelerator, one_row, 100, None) == ("position_ids", None)
     ids = torch.randint(0, 100, (3, 24), generator=torch.Generator().manual_seed(1))
     positions = torch.tensor([list(range(10)) + list(range(14)), list(range(24)),
                               list(range(5)) + list(range(12)) + list(range(7))])

@@ -16,11 +16,12 @@ In transformers 5.25 those kernels are CUDA-only and the torch paths refuse the 
 packed sequences apart without causal_conv1d"); Jamba's Mamba scan and MiniMax's lightning
 attention take none of them.
 
-The probe: two rows of two 8-token documents, then the same rows with another first document: the
-second documents' logits must not move (to 1e-4 of their scale, model_probe), with the position ids
-alone, then with each set of inputs above the family's layers may need. Two rows, because a
-micro-batch has several: flash-attention keeps packed documents apart from the position ids in a
-batch of one row only, so there the probe finds the rows given as one, with cumulative lengths.
+The probe: two rows (one for --micro_batch_size 1) of two 8-token documents, then the same rows
+with another first document: the second documents' logits must not move (to 1e-4 of their scale,
+model_probe), with the position ids alone, then with each set of inputs above the family's layers
+may need. Two rows, because a micro-batch has several: flash-attention keeps packed documents apart
+from the position ids in a batch of one row only, so there the probe finds the rows given as one,
+with cumulative lengths (and a run of one row keeps the position ids alone, as before).
 Both forwards have the same shapes, so bf16 or fp16 compute rounds both alike: comparing with the
 second document run alone (another shape) moved a Llama's logits by 0.002 under bf16 autocast,
 which turned the masks off. `auto` takes the first that holds; if none does, the documents see
@@ -78,12 +79,13 @@ def resolve(model, accelerator, cfg, vocab_size: int, saved: str | None) -> tupl
     inner = unwrap(accelerator, model)
     modes = [saved] if saved else [POSITIONS] + ["+".join((POSITIONS, *extras)) for extras in EXTRAS
                                                  if "masks" not in extras or _mask_kinds(inner.config)]
-    # two rows, as a micro-batch has: flash-attention finds packed documents from the position ids
-    # in a batch of one row only, and then needs the rows given as one (cu_seq_lens)
-    ids = model_probe.random_row(vocab_size, 32, accelerator.device).reshape(2, 16)
+    # as many rows as a micro-batch has (two stand for several): flash-attention finds packed documents
+    # from the position ids in a batch of one row only, and several rows need giving as one (cu_seq_lens)
+    rows = 2 if cfg.micro_batch_size > 1 else 1
+    ids = model_probe.random_row(vocab_size, 16 * rows, accelerator.device).reshape(rows, 16)
     changed = ids.clone()
     changed[:, :7] = (changed[:, :7] + 1) % vocab_size  # another first document in each row
-    positions = torch.cat([torch.arange(8), torch.arange(8)]).repeat(2, 1).to(accelerator.device)
+    positions = torch.cat([torch.arange(8), torch.arange(8)]).repeat(rows, 1).to(accelerator.device)
     failed = {}
     with model_probe.inference(model):
         for mode in modes:  # each through the hooks training would use
