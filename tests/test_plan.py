@@ -569,6 +569,9 @@ def test_model_folder(tmp_path, capsys):
     (["--host_memory_gb", "0"], "error: --host_memory_gb must be positive, got 0"),
     (["--gpus_per_node", "0"], "error: --gpus_per_node must be a positive number of GPUs, got 0"),
     (["--no_such_option"], "error: unrecognized arguments: --no_such_option"),
+    (["--loss_chunk_size=-1"], "error: --loss_chunk_size must be >= 0 (0: the plain loss), got -1"),
+    (["--activation_checkpointing", "some"],
+     "error: argument --activation_checkpointing: invalid choice: 'some' (choose from 'none', 'full', 'selective')"),
 ])
 def test_bad_input_one_error_line(capsys, args, message):
     code, out, err = run_cli(capsys, *args)

@@ -66,6 +66,8 @@ def _check(args) -> None:
         raise PlanError(f"--gpu_memory_gb must be positive, got {args.gpu_memory_gb:g}")
     if not 0 <= args.reserve_gb < args.gpu_memory_gb:
         raise PlanError(f"--reserve_gb must be in [0, --gpu_memory_gb), got {args.reserve_gb:g}")
+    if args.loss_chunk_size < 0:
+        raise PlanError(f"--loss_chunk_size must be >= 0 (0: the plain loss), got {args.loss_chunk_size}")
     if args.seq_len <= 0 or args.micro_batch_size <= 0 or args.gradient_accumulation_steps <= 0:
         raise PlanError("--seq_len, --micro_batch_size and --gradient_accumulation_steps must be positive")
     if args.params is not None and not args.params >= 1:
@@ -179,10 +181,10 @@ def render(model, req: Request, rows: list[dict], model_args: str) -> str:
                "initialisation (^).")
     out.append("  params: parameters + those in flight (all-gathered / fetched) + autocast's weight copies; grads: "
                "gradients + backward buffers;")
-    out.append("  activ: what the blocks keep for backward + one block's backward transient (+ the recomputed block "
-               "with checkpointing);")
-    out.append("  logits: what embedding / final norm / LM head / fp32 cross-entropy keep + the logits' gradient "
-               "during the head's backward;")
+    out.append("  activ, logits: what lives at the larger of two moments. The head's backward: what the blocks keep, "
+               "and in logits what embedding / final norm / LM head / fp32 cross-entropy keep + the logits' gradient. "
+               "A block's backward (logits 0: the head's are freed): what the blocks keep + the block's backward "
+               "transient and recompute (with checkpointing);")
     out.append("  host: CPU RAM per process after backward (offload); h.init: CPU RAM per process while the run "
                "starts (the fp32 model built on the CPU).")
     out.append(f"  fits: yes; tight = fits, peak above {TIGHT:.0%} of usable; no; no (host RAM) = fits the GPU, "
