@@ -5,6 +5,7 @@ import torch
 
 from train_extras.options import TrainConfig
 from common.model import build_model, causal_lm_loss
+from families import FAMILIES, save_family
 
 import pytest
 
@@ -113,3 +114,26 @@ def test_selective_checkpointing_recomputes_an_output_changed_in_place():
         loss.backward()
         grads.append(x.grad)
     torch.testing.assert_close(grads[1], grads[0], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_selective_checkpointing_on_every_family_changes_no_value(tmp_path, family):
+    """The 15 families of tests/families.py (dense, MoE, Mamba and linear-attention hybrids, sliding
+    windows), each built by build_model from a saved folder: --gradient_checkpointing selective
+    reaches the blocks, and the loss and every gradient equal those without checkpointing, exactly."""
+    folder = str(save_family(family, tmp_path))
+    results = []
+    for mode in ("false", "selective"):
+        torch.manual_seed(0)
+        model = build_model(TrainConfig(model_name_or_path=folder, gradient_checkpointing=mode), VOCAB).train()
+        ids = torch.randint(0, VOCAB, (2, 33), generator=torch.Generator().manual_seed(1))
+        loss = causal_lm_loss(model, ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        results.append((model, loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (plain, plain_loss, plain_grads), (ckpt, ckpt_loss, ckpt_grads) = results
+    assert any(getattr(m, "gradient_checkpointing", False) for m in ckpt.modules())
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in plain.modules())
+    assert torch.equal(ckpt_loss, plain_loss)
+    assert ckpt_grads.keys() == plain_grads.keys()
+    for name, grad in plain_grads.items():
+        assert torch.equal(ckpt_grads[name], grad), name
