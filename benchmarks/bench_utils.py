@@ -39,6 +39,14 @@ def steady_median(summary_: dict, key: str = "tokens_per_s") -> float:
     return float(np.median(values[1:] if len(values) > 1 else values))
 
 
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux)."""
+    import resource
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
 def median_seconds(fn, repeats: int = 3) -> float:
     """The median wall time of `repeats` calls of fn()."""
     times = []

@@ -26,18 +26,13 @@ from datetime import date
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_utils import ROOT, median_seconds, write_results  # noqa: E402
+from bench_utils import ROOT, median_seconds, rss_bytes, write_results  # noqa: E402
 
 MODES = ("false", "selective", "true")
 CHUNKS = (0, 1024)
 BATCH, SEQ = 4, 1024
 MODEL = dict(vocab_size=32768, hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
              num_key_value_heads=8, max_position_embeddings=SEQ, tie_word_embeddings=False)
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
 
 
 def one_case(folder: str, mode: str, chunk: int) -> dict:

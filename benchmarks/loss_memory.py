@@ -20,16 +20,11 @@ from datetime import date
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_utils import ROOT, median_seconds, write_results  # noqa: E402
+from bench_utils import ROOT, median_seconds, rss_bytes, write_results  # noqa: E402
 
 VOCABS = (32768, 131072)
 CHUNKS = (0, 4096, 1024)  # 0: the plain loss; 4096: one chunk for the whole micro-batch (no saving)
 BATCH, SEQ, HIDDEN = 4, 1024, 256
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
 
 
 def one_case(vocab: int, chunk: int) -> dict:

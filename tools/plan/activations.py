@@ -55,7 +55,7 @@ class SavedBytes:
         key = _storage_key(t)
         if key not in self._params and key not in self._exclude:
             (self._copies if _param_copy(t, self._param_ids) else self._saved)[key] = storage.nbytes()
-        return t  # keeps the tensor alive, so data_ptr keys cannot be reused during the forward
+        return t  # keeps the tensor alive, so a storage key cannot be reused during the forward
 
     def __enter__(self):
         self._hooks.__enter__()
