@@ -39,19 +39,25 @@ Where the numbers come from
   once forward ends); during a block's backward the rest is recomputed (full: all of it).
   --loss_chunk_size: the head is train_extras/chunked_loss.py's own (hidden states kept, one chunk's
   logits alive at a time).
-  Peak moments: the head's backward (every block's activations + the logits + the logits'
-  gradient) and a block's backward (the head's tensors freed; its recompute and gradients); the
-  larger counts, not both.
-  The gradient tensors alive during one block's / the head's backward are measured too (live
-  storages, tracked with a dispatch mode) and added as a transient.
+  Peak moments of backward: the head's (every block's activations + the logits + the logits'
+  gradient), the first block's (the head's tensors freed; every block's activations, its
+  recompute and backward transient) and the last block's (one block's activations left, almost
+  every gradient made); the largest counts. Each moment holds the gradients backward has made by
+  then (.grad on one GPU and DDP, FSDP2's shards: a share of the parameters, all of them with
+  accumulation, whose earlier micro-batches made them; DeepSpeed's are counted whole).
+  The tensors alive during one block's / the head's backward are measured too (live storages,
+  tracked with a dispatch mode, the weights' gradients accumulated into .grad as in training) on
+  both sides of the moment its first weight gradient appears, and added as a transient: before
+  it, with the gradients of the units done; after it, with its own too.
   Columns: "activ" = the blocks' saved tensors + one block's backward transient (+ the recomputed
   block); "logits" = the head's saved tensors + the head's backward transient (the logits' fp32
   gradient, tokens x vocab x 4 bytes and its cast: for a large vocabulary it rivals the blocks).
 - Peak: the largest of three candidates.
-  forward/backward = model states after backward + parameters in flight (FSDP2 all-gathers, ZeRO-3
-    fetches, autocast's bf16 weight copies) + backward transients + activations + logits. Within
-    the modelled terms this over-counts (activations and gradients both in full, though activations
-    are freed while gradients appear; the block's and the head's backward transients together).
+  forward/backward = model states at the largest moment of backward above (the gradients made by
+    then) + parameters in flight (FSDP2 all-gathers, ZeRO-3 fetches, autocast's bf16 weight copies)
+    + backward buffers + activations + logits. On one CPU process it is within 1% of every storage
+    measured alive at once (tests/test_plan.py, every --gradient_checkpointing x --loss_chunk_size)
+    and 5% above it with full checkpointing on a small vocabulary.
   optimizer step = model states after backward + the step's temporaries (DeepSpeed's flattened
     gradient partition and its fp32 copy).
   init = the framework's states at the end of accelerator.prepare (only those that exist then:

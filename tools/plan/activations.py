@@ -73,10 +73,11 @@ class SavedBytes:
         return sum(self._copies.values())
 
 
-def live_tracker(exclude=()):
+def live_tracker(exclude=(), timeline: bool = False):
     """A dispatch mode that records every storage ops return (weak references) and the peak of the
     bytes still alive: what gradients and temporaries cost while backward runs. Storages of the
-    tensors in `exclude` (parameters: an op returning a view of a weight would add it) are left out."""
+    tensors in `exclude` (parameters: an op returning a view of a weight would add it) are left out.
+    timeline=True also keeps what was alive after each op (`snapshots`: (weak reference, bytes) pairs)."""
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
@@ -85,7 +86,7 @@ def live_tracker(exclude=()):
     class LiveBytes(TorchDispatchMode):
         def __init__(self):
             super().__init__()
-            self.refs, self.peak = {}, 0
+            self.refs, self.peak, self.snapshots, self.timeline = {}, 0, [], timeline
             self.exclude = {StorageWeakRef(t.untyped_storage()).cdata for t in exclude}
 
         def live(self) -> int:
@@ -103,9 +104,42 @@ def live_tracker(exclude=()):
                     if ref.cdata not in self.refs or self.refs[ref.cdata][0].expired():
                         self.refs[ref.cdata] = (ref, storage.nbytes())
             self.peak = max(self.peak, self.live())
+            if self.timeline:
+                self.snapshots.append(list(self.refs.values()))
             return out
 
     return LiveBytes()
+
+
+def backward_transients(tracker, run, weights) -> tuple[tuple[int, float], ...]:
+    """Runs `run` (a backward that accumulates into the `weights`' .grad, as a training step's does)
+    under `tracker`: after each op, the bytes alive beyond those alive when it started (fewer once it
+    frees what forward saved), less the
+    weights' gradients made so far (model states: the planner counts them, on top), beside the share
+    of those gradients made so far. Returns the points no other exceeds on both: (bytes, share)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    base, start, tracker.timeline = tracker.live(), len(tracker.snapshots), True
+    with tracker:
+        run()
+    keys = {StorageWeakRef(w.grad.untyped_storage()).cdata for w in weights if w.grad is not None}
+    total = sum(w.grad.untyped_storage().nbytes() for w in weights if w.grad is not None) or 1
+    points = []
+    for snap in tracker.snapshots[start:]:
+        grads = sum(n for ref, n in snap if ref.cdata in keys and not ref.expired())
+        points.append((sum(n for _, n in snap) - grads - base, grads / total))  # < 0: saved tensors freed
+    return frontier(points)
+
+
+def frontier(points) -> tuple[tuple[int, float], ...]:
+    """The (bytes, share) points that no other point exceeds or equals on both: any later sum
+    a * bytes + b * share (a, b >= 0) is largest at one of them."""
+    kept, most = [], -1
+    for t, f in sorted(set(points), key=lambda p: (-p[1], -p[0])):
+        if t > most:
+            kept.append((t, f))
+            most = t
+    return tuple(kept) or ((0, 0.0),)
 
 
 def _probe_config(dims: tuple):
@@ -176,8 +210,10 @@ def probe_block(dims: tuple, regime: str, tokens: int, fake: bool = True) -> dic
     saved = activations autograd keeps (rotary cos/sin left out: the model shares them between
     blocks, counted once as `rope`); copies = autocast weight copies it keeps; checkpointed = what
     the block keeps under non-reentrant checkpointing (at ckpt_tokens); selective = what it keeps
-    under train.py's selective checkpointing (common/model.SELECTIVE_SAVED); backward_extra = peak
-    bytes of gradients/temporaries on top of the saved ones while the block runs backward.
+    under train.py's selective checkpointing (common/model.SELECTIVE_SAVED); backward_curve = the
+    bytes of gradients/temporaries on top of the saved ones while the block runs backward, beside the
+    share of its weights' gradients made by then (backward_transients); backward_extra = the most of
+    those bytes.
     """
     start = time.perf_counter()
     param_dtype, act_dtype, autocast = _regime(regime)
@@ -211,11 +247,12 @@ def _probe_block(config, dims, param_dtype, act_dtype, autocast, tokens, fake, s
         with tracker, SavedBytes(params, exclude=rope_t) as counted, amp():
             out = fn(x)
             out = out[0] if isinstance(out, tuple) else out
-        base = tracker.live()
-        with tracker:  # gradients w.r.t. the input only: weight gradients are model states
-            torch.autograd.grad(out, x, torch.ones_like(out))
-        backward_extra = max(0, tracker.peak - base)
-        del out
+        def backward(out=out):  # the output's gradient made inside: a transient of the block's backward
+            torch.autograd.backward(out, torch.ones_like(out), inputs=[x] + params)
+
+        # Its forward's own temporaries are left out: they live while fewer activations do, and no gradient.
+        curve = backward_transients(tracker, backward, params)
+        del out, backward
         ckpt_tokens = min(tokens, CKPT_PROBE_TOKENS)
         xc, _, fnc = run(ckpt_tokens, ckpt="true")
         with SavedBytes(params) as kept, amp():
@@ -232,8 +269,8 @@ def _probe_block(config, dims, param_dtype, act_dtype, autocast, tokens, fake, s
         selective = tracker.live() - outs.untyped_storage().nbytes() + xs.untyped_storage().nbytes()
         del outs
     return dict(saved=counted.saved, copies=counted.copies, rope=sum(t.untyped_storage().nbytes() for t in rope_t),
-                checkpointed=kept.saved, selective=selective, backward_extra=backward_extra, tokens=tokens,
-                ckpt_tokens=ckpt_tokens, seconds=time.perf_counter() - start)
+                checkpointed=kept.saved, selective=selective, backward_extra=max(t for t, _ in curve),
+                backward_curve=curve, tokens=tokens, ckpt_tokens=ckpt_tokens, seconds=time.perf_counter() - start)
 
 
 @functools.lru_cache(maxsize=32)
@@ -241,8 +278,10 @@ def probe_head(dims: tuple, regime: str, tokens: int, fake: bool = True, chunk: 
     """Bytes the embedding lookup, final RMSNorm, lm_head and fp32 cross-entropy of
     common.model.causal_lm_loss keep for backward (the "logits" bucket), counted at `tokens`; with
     `chunk`, train.py's --loss_chunk_size head (train_extras/chunked_loss.py) instead.
-    Returns {saved, copies, backward_extra, tokens, seconds}; backward_extra = peak bytes of the
-    logits' gradients/temporaries on top of the saved ones (forward upcast and backward)."""
+    Returns {saved, copies, backward_extra, backward_curve, tokens, seconds}; backward_curve = the
+    bytes of the logits' gradients/temporaries on top of the saved ones (forward upcast and backward)
+    beside the share of the head's weight gradients made by then (as probe_block's); backward_extra =
+    the most of those bytes."""
     from torch import nn
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -281,11 +320,16 @@ def _probe_head(embed, norm, head, vocab, autocast, tokens, chunk, start) -> dic
             loss = (logits.float().mean() if chunk else
                     nn.functional.cross_entropy(logits.float().reshape(-1, vocab), ids.reshape(-1)))
             del logits
-        base = tracker.live()
-        with tracker:
-            torch.autograd.grad(loss, h)
-    return dict(saved=counted.saved, copies=counted.copies, backward_extra=max(0, tracker.peak - base),
-                tokens=tokens, seconds=time.perf_counter() - start)
+        # The weights' gradients are model states; what computing them costs beyond them is a
+        # transient: autocast's low-precision gradient before its cast, and with chunks each later
+        # chunk's fresh gradient, added into the first's.
+        # Its forward's temporaries (the logits' fp32 upcast) count on the first side: they live beside
+        # every block's activations, as its backward does, and before any gradient.
+        forward = tracker.peak - tracker.live()
+        curve = frontier(backward_transients(tracker, lambda: torch.autograd.backward(
+            loss, inputs=[h, norm.weight, head.weight]), [norm.weight, head.weight]) + ((forward, 0.0),))
+    return dict(saved=counted.saved, copies=counted.copies, backward_extra=max(t for t, _ in curve),
+                backward_curve=curve, tokens=tokens, seconds=time.perf_counter() - start)
 
 
 CHECKPOINTING = {False: "none", True: "full", "false": "none", "true": "full", "none": "none", "full": "full",
@@ -319,6 +363,11 @@ def activation_bytes(shape: ModelShape, regime: str, seq_len: int, micro_batch_s
       at_head: True when the head's moment is the larger (the peak's moment)
       peak: what lives at that moment: blocks + rope + the larger of (logits + backward_head) and
             (recompute + backward_block)
+      moments: {head, first_block, last_block}: what lives at each moment of backward, {unit (head |
+            block), done (the head's gradients, blocks' gradients complete before it), column (where
+            its transient goes: logits | activations), activations, logits, curve ((transient bytes,
+            share of the unit's weight gradients made), along its backward), weight_copies}; the planner
+            adds the gradients that exist at each (tools/plan/advice.backward_moments)
     """
     mode = CHECKPOINTING[activation_checkpointing]
     tokens = micro_batch_size * seq_len
@@ -327,10 +376,11 @@ def activation_bytes(shape: ModelShape, regime: str, seq_len: int, micro_batch_s
     per = lambda probe, key, n=None: probe[key] * tokens / (n or probe["tokens"])  # noqa: E731
     if loss_chunk_size:  # kept bytes grow with the tokens, the transient with one chunk only
         head = probe_head(shape.dims, regime, min(tokens, 2 * loss_chunk_size), chunk=loss_chunk_size)
-        logits, backward_head = per(head, "saved"), float(head["backward_extra"])
+        head_curve = tuple((float(t), f) for t, f in head["backward_curve"])
     else:
         head = probe_head(shape.dims, regime, min(probe_tokens, 64))  # no attention: exactly linear
-        logits, backward_head = per(head, "saved"), per(head, "backward_extra")
+        head_curve = tuple((t * tokens / head["tokens"], f) for t, f in head["backward_curve"])
+    logits, backward_head = per(head, "saved"), max(t for t, _ in head_curve)
     L = shape.layers
     rope = block["rope"] * seq_len / block["tokens"]  # cos/sin: one row per position, shared by the batch
     # Weight copies do not grow with tokens: one per weight, kept until its backward (with
@@ -341,14 +391,30 @@ def activation_bytes(shape: ModelShape, regime: str, seq_len: int, micro_batch_s
         blocks, recompute = L * per(block, "selective"), per(block, "saved") - per(block, "selective")
     else:
         blocks, recompute = L * per(block, "saved"), 0.0
-    copies = (L if mode == "none" else 1) * block["copies"] + head["copies"]
-    backward_block = per(block, "backward_extra")
+    kept_copies = L * block["copies"] if mode == "none" else 0.0  # checkpointing: recomputed, not kept
+    copies = max(kept_copies, block["copies"]) + head["copies"]
+    block_curve = tuple((t * tokens / block["tokens"], f) for t, f in block["backward_curve"])
+    backward_block = max(t for t, _ in block_curve)
     at_head = logits + backward_head >= recompute + backward_block
     peak = blocks + rope + max(logits + backward_head, recompute + backward_block)
+    # The moments of backward, in order: the head's, then the first block's (the last in the model,
+    # every block's activations still kept), ..., the last block's (block 0: one block's left). What
+    # is alive falls linearly from the first block to the last while gradients grow, so the peak of
+    # the blocks' moments is at one of the two ends. Each moment's unit (the head, or a block) runs
+    # its backward along `curve`: its transient beside the share of its weight gradients made by then;
+    # `done`: (the head's gradients, blocks' gradients) complete before it.
+    moments = dict(
+        head=dict(unit="head", done=(False, 0), column="logits", activations=blocks + rope, logits=logits,
+                  curve=head_curve, weight_copies=kept_copies + head["copies"]),
+        first_block=dict(unit="block", done=(True, 0), column="activations", activations=blocks + rope + recompute,
+                         logits=0.0, curve=block_curve, weight_copies=max(kept_copies, block["copies"])),
+        last_block=dict(unit="block", done=(True, L - 1), column="activations",
+                        activations=blocks / L + rope + recompute, logits=0.0, curve=block_curve,
+                        weight_copies=block["copies"]))
     return dict(activations=blocks + recompute + rope, blocks=blocks, recompute=recompute, rope=rope,
                 logits=logits, weight_copies=copies, backward_block=backward_block, backward_head=backward_head,
                 backward=backward_head if at_head else backward_block, at_head=at_head, peak=peak, tokens=tokens,
-                probe=dict(block=block, head=head))
+                moments=moments, probe=dict(block=block, head=head))
 
 
 def regime_of(rung: Rung, precision: str) -> str:

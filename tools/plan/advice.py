@@ -47,10 +47,57 @@ MUON_FRAMEWORKS = ("single", "ddp")  # whole matrices on every rank (train_extra
 TIGHT = 0.9  # a peak above this share of the usable GPU memory is printed "tight"
 
 
+def grads_done(shape: ModelShape, head: bool, blocks: int) -> float:
+    """The share of the trained parameters whose gradients exist once backward has run the head (or
+    not) and `blocks` blocks: the tail [final norm, lm_head] first (with tied weights the shared
+    embedding), block by block from the last, the untied input embedding at the very end. LoRA: the
+    adapters sit in the blocks alone (train_extras/lora.py targets their linear layers)."""
+    if shape.lora_params:
+        return blocks / shape.layers
+    n = shape.n_params
+    per_block = (n - shape.tail_params - (0 if shape.tied else shape.embed_params)) / shape.layers
+    return (head * shape.tail_params + blocks * per_block) / n
+
+
+def backward_moments(states: dict, act: dict | None, shape: ModelShape | None, accumulation: int) -> dict:
+    """The columns of the peak (params, grads, optimizer, buffers, activations, logits) at each moment
+    of backward activation_bytes names: the head's (every block's activations, the logits and their
+    gradient), the first block's and the last block's (the head's tensors freed, a block's recompute
+    and backward transient). Gradients that grow (the terms marked so: .grad under DDP and one GPU,
+    FSDP2's shards) count only where backward has made them: those of the units done, and the share
+    of the moment's own unit made by each point of its probed curve. With accumulation every
+    micro-batch after the first finds them all, and the unit's fresh ones (added into them) come on
+    top. Without a shape: one moment, every gradient, no activations."""
+    dev, tr = states["at_step"]["device"], states["transient"]
+    growing = sum(t["bytes"] for t in states["terms"] if t.get("grows") and t["location"] == "device")
+
+    def columns(done=1.0, fresh=0.0, weight_copies=0.0, activations=0.0, logits=0.0):
+        made = growing * fresh if accumulation > 1 else -growing * (1 - done)
+        return dict(params=dev["params"] + tr["in_flight"] + weight_copies,
+                    grads=dev["grads"] + made + tr["backward"], optimizer=dev["optimizer"],
+                    buffers=dev["buffers"], activations=activations, logits=logits)
+
+    if act is None:
+        return {"backward": columns()}
+    moments = {}
+    for name, m in act["moments"].items():
+        head, blocks = m["done"]
+        done = grads_done(shape, head, blocks)
+        unit = grads_done(shape, *((True, blocks) if m["unit"] == "head" else (head, blocks + 1))) - done
+        points = []
+        for transient, share in m["curve"]:
+            alive = dict(activations=m["activations"], logits=m["logits"])
+            alive[m["column"]] += transient
+            points.append(columns(done + unit * share, unit * share, m["weight_copies"], **alive))
+        moments[name] = max(points, key=lambda c: sum(c.values()))
+    return moments
+
+
 def evaluate(model: ModelShape | float, req: Request) -> list[dict]:
     """One row per rung, bytes per GPU (per process for host). Keys:
     rung, states (model_state_bytes), activations (activation_bytes or None), columns (the peak's
-    composition: params, grads, optimizer, buffers, activations, logits), rest, peak (the largest of
+    composition: params, grads, optimizer, buffers, activations, logits, at `moment`, the largest of
+    `moments`: backward_moments), rest, peak (the largest of
     the three candidates), candidates {forward_backward, optimizer_step, init}, peak_at (which one),
     peak_in_step, host (CPU RAM per process after backward: offload), host_init (CPU RAM per process
     while the run starts), host_per_node (max(host, host_init) x processes per machine),
@@ -71,15 +118,9 @@ def evaluate(model: ModelShape | float, req: Request) -> list[dict]:
         dev, tr = states["at_step"]["device"], states["transient"]
         act = (activation_bytes(shape, regime_of(rung, req.precision), req.seq_len, req.micro_batch_size,
                                 req.activation_checkpointing, req.loss_chunk_size) if shape else None)
-        # Peak composition during forward/backward at its moment (activation_bytes: the head's
-        # backward, with every block's activations and the logits' gradient, or a block's backward,
-        # with its recompute, once the head's tensors are freed); each column's share of it.
-        at_head = act is not None and act["at_head"]
-        cols = dict(params=dev["params"] + tr["in_flight"] + (act["weight_copies"] if act else 0),
-                    grads=dev["grads"] + tr["backward"], optimizer=dev["optimizer"], buffers=dev["buffers"],
-                    activations=(act["blocks"] + act["rope"] + (0.0 if at_head else act["recompute"]
-                                                                + act["backward_block"])) if act else 0.0,
-                    logits=act["logits"] + act["backward_head"] if at_head else 0.0)
+        moments = backward_moments(states, act, shape, req.gradient_accumulation_steps)
+        moment = max(moments, key=lambda m: sum(moments[m].values()))  # ties: the earliest
+        cols = moments[moment]
         candidates = dict(forward_backward=sum(cols.values()), optimizer_step=dev["total"] + tr["optimizer_step"],
                           init=states["at_init"]["device"]["total"])
         peak_at = max(candidates, key=candidates.get)  # ties: forward_backward (listed first)
@@ -89,8 +130,8 @@ def evaluate(model: ModelShape | float, req: Request) -> list[dict]:
         host_fits = None if req.host_memory_gb is None else host_per_node <= req.host_memory_gb * GB
         gpu_fits = peak <= req.usable
         fits = gpu_fits and host_fits is not False
-        rows.append(dict(rung=rung, states=states, activations=act, columns=cols, rest=states["at_rest"]["device"]
-                         ["total"], peak=peak, candidates=candidates, peak_at=peak_at,
+        rows.append(dict(rung=rung, states=states, activations=act, columns=cols, moment=moment, moments=moments,
+                         rest=states["at_rest"]["device"]["total"], peak=peak, candidates=candidates, peak_at=peak_at,
                          peak_in_step=peak_at == "optimizer_step", host=host, host_init=host_init,
                          host_per_node=host_per_node, host_fits=host_fits, gpu_fits=gpu_fits, fits=fits,
                          tight=fits and peak > TIGHT * req.usable))

@@ -181,10 +181,11 @@ def render(model, req: Request, rows: list[dict], model_args: str) -> str:
                "initialisation (^).")
     out.append("  params: parameters + those in flight (all-gathered / fetched) + autocast's weight copies; grads: "
                "gradients + backward buffers;")
-    out.append("  activ, logits: what lives at the larger of two moments. The head's backward: what the blocks keep, "
-               "and in logits what embedding / final norm / LM head / fp32 cross-entropy keep + the logits' gradient. "
-               "A block's backward (logits 0: the head's are freed): what the blocks keep + the block's backward "
-               "transient and recompute (with checkpointing);")
+    out.append("  activ, logits, grads: what lives at the largest moment of backward, with the gradients made by then. "
+               "The head's backward: what the blocks keep, and in logits what embedding / final norm / LM head / fp32 "
+               "cross-entropy keep + the logits' gradient. The first or last block's backward (logits 0: the head's "
+               "are freed): what the blocks keep + the block's backward transient and recompute (with "
+               "checkpointing);")
     out.append("  host: CPU RAM per process after backward (offload); h.init: CPU RAM per process while the run "
                "starts (the fp32 model built on the CPU).")
     out.append(f"  fits: yes; tight = fits, peak above {TIGHT:.0%} of usable; no; no (host RAM) = fits the GPU, "

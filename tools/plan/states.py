@@ -118,7 +118,8 @@ def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precis
       terms: list of {name, category (params|grads|optimizer|buffers), location (device|host),
              when (rest|step|in_flight|backward|optimizer_step|init), bytes, source, at_init (a "rest"
              term that already exists at the "setup" moment of initialisation), moment (init terms:
-             build|setup)}
+             build|setup), grows ("step" gradients created parameter by parameter as backward reaches
+             them, so part of them exists at its earlier moments; DeepSpeed's are counted whole)}
       at_rest: {"device": {params, grads, optimizer, buffers, total}, "host": {...}}
                between steps, after optimizer.zero_grad(set_to_none=True)
       at_step: same keys: model states after backward, before optimizer.step() (gradients present)
@@ -144,9 +145,9 @@ def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precis
     b = DTYPE_BYTES[precision]  # compute dtype: autocast target, FSDP2 param_dtype, DeepSpeed model dtype
     terms, unknown = [], []
 
-    def add(name, category, when, nbytes, source, location="device", at_init=False, moment=None):
+    def add(name, category, when, nbytes, source, location="device", at_init=False, moment=None, grows=False):
         terms.append(dict(name=name, category=category, location=location, when=when, bytes=float(nbytes),
-                          source=source, at_init=at_init, moment=moment))
+                          source=source, at_init=at_init, moment=moment, grows=grows))
 
     def add_build():
         """Every rung but ZeRO-3 with zero3_init_flag: each process builds the whole model in fp32 in
@@ -174,7 +175,7 @@ def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precis
             "rest", 8 * (T - muon_params), "torch/optim/adam.py _init_group: zeros_like(param) for both states")
         add_build()
         add("fp32 gradients (.grad)", "grads", "step", 4 * T,
-            "autograd accumulates in the parameter dtype; zero_grad(set_to_none=True) frees them")
+            "autograd accumulates in the parameter dtype; zero_grad(set_to_none=True) frees them", grows=True)
         if rung.framework == "ddp":
             add("DDP reducer buckets (a second fp32 copy of every gradient)", "buffers", "rest", 4 * T,
                 "torch/nn/parallel/distributed.py:731-735 (gradient_as_bucket_view=False saves nothing); "
@@ -295,7 +296,7 @@ def model_state_bytes(rung: Rung | str, n_params: float, world_size: int, precis
         add("fp32 gradient shards", "grads", "step", 4 * T / W,
             f"{SRC_FSDP}/_fsdp_collectives.py:686-710 (views of the fp32 reduce-scatter output; offload: copied to "
             "CPU)",
-            off)
+            off, grows=True)
         if shape is None:
             unknown += ["unsharded parameters in flight", "unsharded gradients + reduce-scatter input",
                         "one unit's parameters moved whole to the GPU at init"]
