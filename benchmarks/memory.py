@@ -49,7 +49,11 @@ def main():
         env.update(PYTHONPATH=str(ROOT / "tests" / "probes"), ACCELERATE_RECIPES_PROBE_DIR=str(probes))
         options = ["--preset", args.preset, "--seq_len", str(args.seq_len), "--micro_batch_size",
                    str(args.micro_batch_size), "--max_steps", "3", "--warmup_steps", "1", "--eval_every", "0",
-                   "--log_every", "1", "--save_model", "false", "--output_dir", str(out)]
+                   "--log_every", "1", "--save_model", "false", "--output_dir", str(out),
+                   # The peak is the whole run's: no end-of-run sample (it gathers every weight under
+                   # ZeRO-3 and FSDP2), and no document mask: SDPA given its dense mask leaves the flash
+                   # kernel, while the planner counts O(seq) attention without a mask.
+                   "--sample_length", "0", "--document_mask", "false"]
         run([ACCELERATE, "launch", "--config_file", f"accelerate_configs/{rung.config}", "--num_processes", "2",
              "--num_cpu_threads_per_process", "1", "--mixed_precision", args.precision, "recipes/train.py", *options],
             env=env, log=work / f"{out.name}.log")
