@@ -46,7 +46,11 @@ def main():
         out = work / rung.config.removesuffix(".yaml")
         env = {"ACCELERATE_USE_CPU": "true"} if rung.framework == "ddp" else {"ACCELERATE_RECIPES_CPU_HARNESS": "1"}
         probes = Path(f"{out}.probe")  # the probes chain the CPU harness
-        env.update(PYTHONPATH=str(ROOT / "tests" / "probes"), ACCELERATE_RECIPES_PROBE_DIR=str(probes))
+        env.update(PYTHONPATH=str(ROOT / "tests" / "probes"), ACCELERATE_RECIPES_PROBE_DIR=str(probes),
+                   # Freed tensors go back to the OS, so the peak RSS follows what is alive: by default
+                   # glibc raises its mmap threshold as large blocks are freed and keeps later ones in
+                   # its heap (measured: +0.5 GB of RSS beyond the heap in use after backward, DDP).
+                   MALLOC_MMAP_THRESHOLD_="65536")
         options = ["--preset", args.preset, "--seq_len", str(args.seq_len), "--micro_batch_size",
                    str(args.micro_batch_size), "--max_steps", "3", "--warmup_steps", "1", "--eval_every", "0",
                    "--log_every", "1", "--save_model", "false", "--output_dir", str(out),
@@ -92,11 +96,13 @@ def main():
         "per rank; the rank furthest from the plan is shown (results.json has both).",
         "Measured: heap in use (glibc mallinfo2) at the second step minus before the "
         "model was built: 'rest' after optimizer.zero_grad, 'grads' after backward (DeepSpeed has already stepped "
-        "inside backward there, so '-'); 'peak' = peak RSS minus RSS before the model, i.e. it also holds "
-        "activations, allocator caching and anything else the step touched.",
+        "inside backward there, so '-'); 'peak' = peak RSS minus RSS before the model (MALLOC_MMAP_THRESHOLD_=65536: "
+        "freed tensors return to the OS), i.e. it also holds activations, allocator caching and anything else the "
+        "run touched (no end-of-run sample, no document mask).",
         "Planned: tools/plan/ model_state_bytes (rest, grads) and evaluate()'s peak (model states + in-flight "
-        "parameters + activations + logits, activations measured by its saved-tensor probes) + host bytes. On CPU the "
-        "offload rungs' host and device are one memory: compared as their sum.",
+        "parameters + activations + logits at the largest moment of backward, with the gradients made by then; "
+        "activations counted by its probes) + host bytes. On CPU the offload rungs' host and device are one memory: "
+        "compared as their sum.",
     ]
     write_results(args.out, "Memory per rank: measured vs planned",
                   ["rung", "config", "rest MB", "plan", "ratio", "grads MB", "plan", "ratio", "peak MB", "plan",

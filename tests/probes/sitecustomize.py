@@ -95,6 +95,14 @@ def record(key: str, value) -> None:
         f.write(json.dumps({key: value}) + "\n")
 
 
+def _teardown():
+    """At exit: the teardown ran. Only in a process that recorded something: a helper Python process
+    (DeepSpeed building its CPU Adam) inherits this rank's environment, and its first record would
+    start the rank's file afresh, wiping what the recipe recorded."""
+    if _seen.get("recorded"):
+        record("teardown", True)
+
+
 def _install_probes():
     import torch
     from accelerate import Accelerator
@@ -106,7 +114,7 @@ def _install_probes():
     import facts
 
     Path(PROBE_DIR).mkdir(parents=True, exist_ok=True)
-    atexit.register(record, "teardown", True)
+    atexit.register(_teardown)
 
     prepare = Accelerator.prepare
 

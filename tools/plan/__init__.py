@@ -69,10 +69,10 @@ Where the numbers come from
     (older versions did, creating Adam's states there). Read from the code, these init buffers are
     freed before Adam's states, the gradient buffers and (ZeRO-3) the IPG bucket exist, so this
     candidate stays below the other two for every rung: it is modelled and shown ("^"), not a fix.
-  NOT AN UPPER BOUND. Measured on CPU (benchmarks/results/memory-2026-11-30: 113.7M parameters,
-  2 ranks, bf16, micro-batch 2 x 256) the peak was ABOVE the plan under DeepSpeed: ZeRO-1 +6%,
-  ZeRO-2 +8%, ZeRO-3 +22%, ZeRO-3 offload +23% (DDP and FSDP2: 10-14% below). The model states
-  at rest agree within 1-5%, so the gap is in transients this does not model; unverified
+  NOT AN UPPER BOUND. Measured on CPU (benchmarks/results/memory-2026-12-06: 113.7M parameters,
+  2 ranks, bf16, micro-batch 2 x 256) the peak was ABOVE the plan: DDP +1%, FSDP2 +4-5%, ZeRO-1
+  +4%, ZeRO-2 +6%, ZeRO-3 +20%, ZeRO-3 offload +22% (FSDP2 + offload: 14% below). The model states
+  at rest agree within 1-4%, so the ZeRO-3 gap is in transients this does not model; unverified
   candidates: DeepSpeed's communication temporaries (on CPU, gloo's fallbacks for reduce-scatter /
   all-gather), ZeRO-3's fetch/prefetch beyond one module + the prefetch bucket, allocator caching
   and fragmentation (heap, and on a GPU the CUDA caching allocator). Also not modelled: the

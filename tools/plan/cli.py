@@ -93,9 +93,9 @@ def _gb(x: float) -> str:
     return f"{x / GB:7.2f}" if x >= 0.995e9 or x == 0 else f"{x / GB:7.3f}"
 
 
-MEASURED_GAPS = ("measured on CPU (benchmarks/results/memory-2026-11-30: 113.7M parameters, 2 ranks, bf16), "
-                 "the peak was ABOVE the plan under DeepSpeed (ZeRO-1 +6%, ZeRO-2 +8%, ZeRO-3 +22%, ZeRO-3 offload "
-                 "+23%) and 10-14% below it under DDP and FSDP2")
+MEASURED_GAPS = ("measured on CPU (benchmarks/results/memory-2026-12-06: 113.7M parameters, 2 ranks, bf16), "
+                 "the peak was ABOVE the plan (DDP +1%, FSDP2 +4-5%, ZeRO-1 +4%, ZeRO-2 +6%, ZeRO-3 +20%, ZeRO-3 "
+                 "offload +22%; FSDP2 + offload 14% below)")
 
 
 def _fits_word(row: dict) -> str:
@@ -225,7 +225,7 @@ def render(model, req: Request, rows: list[dict], model_args: str) -> str:
         if best["tight"]:
             out.append(f"WARNING: only tight configs fit: the peak leaves less than {1 - TIGHT:.0%} of usable memory "
                        "for what the plan does not model (allocator fragmentation; under DeepSpeed the measured "
-                       "peak was up to 23% above the plan). Consider activation checkpointing, a smaller "
+                       "peak was up to 22% above the plan). Consider activation checkpointing, a smaller "
                        "micro-batch or more GPUs.")
         out.append(f"fits: {best['rung'].config} ({best['rung'].label}) is the cheapest config that fits"
                    f"{' (tight)' if best['tight'] else ''}: peak {best['peak'] / GB:.1f} of {req.usable / GB:g} GB "
