@@ -106,29 +106,22 @@ SELECTIVE_SAVED = tuple(getattr(torch.ops.aten, name).default for name in (
     "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention", "_flash_attention_forward",
     "_efficient_attention_forward") if hasattr(torch.ops.aten, name))
-MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
 
 
 def _keeps(func, args) -> bool:
-    """Whether selective checkpointing keeps this op's output: SELECTIVE_SAVED's ops, less the matmuls
-    whose contraction is under an eighth of their output row (a LoRA adapter's or a low-rank
-    up-projection: rank r to width N). Those cost 2r operations an element to recompute and would
-    store a full-width output that no checkpointing keeps either: under LoRA, keeping them made
-    selective hold more than no checkpointing (1.17x on the debug preset)."""
-    if func not in SELECTIVE_SAVED:
-        return False
-    if func in MATMULS:
-        a, b = args[1:3] if func is torch.ops.aten.addmm.default else args[:2]
-        return 8 * a.shape[-1] >= b.shape[-1]
-    return True
+    """SELECTIVE_SAVED's ops, less matmuls contracting under an eighth of their output row (LoRA's
+    up-projection: cheap to redo; kept, selective held more than no checkpointing, docs/strategies.md)."""
+    if func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default):
+        return 8 * args[0].shape[-1] >= args[1].shape[-1]
+    if func is torch.ops.aten.addmm.default:
+        return 8 * args[1].shape[-1] >= args[2].shape[-1]
+    return func in SELECTIVE_SAVED
 
 
 def _selective_contexts():
-    """(forward, recompute) dispatch modes for torch.utils.checkpoint's context_fn: forward keeps the
-    outputs of SELECTIVE_SAVED ops, the recompute hands them back in the same order and runs every
-    other op. torch's own create_selective_checkpoint_contexts also requires every recomputed op to
-    have run in forward, which ZeRO-3 breaks: it gathers a block's parameters inside the recompute
-    but before the block's forward (prefetch)."""
+    """(forward, recompute) dispatch modes for checkpoint's context_fn: forward keeps what _keeps
+    names, the recompute hands it back in order and runs the rest. torch's own selective contexts
+    require every recomputed op to have run in forward: ZeRO-3's prefetch breaks that."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten, tree_unflatten
 

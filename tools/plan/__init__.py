@@ -57,7 +57,7 @@ Where the numbers come from
     then) + parameters in flight (FSDP2 all-gathers, ZeRO-3 fetches, autocast's bf16 weight copies)
     + backward buffers + activations + logits. On one CPU process it is within 1% of every storage
     measured alive at once (tests/test_plan.py, every --gradient_checkpointing x --loss_chunk_size)
-    and 5% above it with full checkpointing on a small vocabulary.
+    and 3% above it with full checkpointing on a small vocabulary.
   optimizer step = model states after backward + the step's temporaries (DeepSpeed's flattened
     gradient partition and its fp32 copy).
   init = the framework's states at the end of accelerator.prepare (only those that exist then:
