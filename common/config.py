@@ -65,8 +65,8 @@ class ModelOptions:
     gradient_checkpointing: str = field(default="false", metadata={
         "help": "Recompute activations in backward. true: every block keeps only its input (least memory, "
                 "~30%% more compute); selective: keep matmul and attention outputs, recompute the element-wise "
-                "rest and low-rank up-projections such as LoRA's (common/model._keeps); false. Alone, the flag "
-                "means true.",
+                "rest and cheap matmuls such as LoRA's up-projections (common/model._keeps); false. Alone, the "
+                "flag means true.",
         "nargs": "?", "const": "true", "choices": ("true", "selective", "false")})
     trust_remote_code: bool = opt(False, "Run the Python code a model or tokenizer folder ships (auto_map in its "
                                          "config). Off: such a folder is refused; a built-in model never needs it.")

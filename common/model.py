@@ -109,8 +109,8 @@ SELECTIVE_SAVED = tuple(getattr(torch.ops.aten, name).default for name in (
 
 
 def _keeps(func, args) -> bool:
-    """SELECTIVE_SAVED's ops, less matmuls contracting under an eighth of their output row (LoRA's
-    up-projection: cheap to redo; kept, selective held more than no checkpointing, docs/strategies.md)."""
+    """SELECTIVE_SAVED's ops, less matmuls contracting under 1/8 of their output row, cheap to redo: low-rank
+    up-projections (kept, LoRA's made selective hold more than none), long eager attention scores."""
     if func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default):
         return 8 * args[0].shape[-1] >= args[1].shape[-1]
     if func is torch.ops.aten.addmm.default:

@@ -171,8 +171,10 @@ def test_fsdp_accumulation_holds_a_shard_unless_sync_each_batch_is_off(capsys):
     for rung in plan.LADDER:
         acc, once = sharded[rung.name], one[rung.name]
         every = acc["states"]["at_step"]["device"]["grads"] + acc["states"]["transient"]["backward"]
-        # every gradient, and beside them, the fresh ones of the unit running backward (added into them)
-        assert all(m["grads"] >= every for m in acc["moments"].values()), rung.name
+        # every gradient, and beside them at most one unit's fresh ones (added into them)
+        growing = sum(t["bytes"] for t in acc["states"]["terms"] if t["grows"] and t["location"] == "device")
+        unit = max(shape.tail_params, shape.block_params) / shape.n_params
+        assert all(every <= m["grads"] <= every + growing * unit for m in acc["moments"].values()), rung.name
         # DeepSpeed's gradients are counted whole at every moment; FSDP2 offload keeps its shards on the CPU
         grows = rung.framework != "deepspeed" and not rung.offload
         assert (once["columns"]["grads"] < every) == grows, rung.name
@@ -300,7 +302,7 @@ def test_every_lever_planned_as_measured(tmp_path, checkpointing, chunk):
     vocabulary's do), built as train.py builds it: --gradient_checkpointing false|selective|true and
     --loss_chunk_size 0|128, one real forward + backward on the CPU, every storage tracked. What stays
     alive once forward ends and the peak are planned within 10% (measured: 0.997-1.042x and
-    0.998-1.042x, the peak at the head's backward, with the head's gradients alone)."""
+    0.998-1.002x; the peak at the head's backward, before its weight's gradient exists)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from train_extras import chunked_loss
@@ -328,16 +330,14 @@ def test_every_lever_planned_as_measured(tmp_path, checkpointing, chunk):
 
 
 def planned_step_peak(shape, seq: int, micro: int, checkpointing, chunk: int = 0) -> tuple[float, str]:
-    """One GPU, fp32: the plan's peak of a step (forward/backward, or every gradient made once backward
-    ends, its optimizer step's candidate) less the parameters and the optimizer's states (what a
-    live_tracker of the parameters sees in a forward + backward without an optimizer), and the
-    moment of backward it names."""
+    """One GPU, fp32: the plan's forward/backward peak (at its largest moment of backward) less the
+    parameters and the optimizer's states (what a live_tracker of the parameters sees in a forward +
+    backward without an optimizer), and that moment."""
     row = plan.evaluate(shape, plan.Request(precision="fp32", seq_len=seq, micro_batch_size=micro,
                                             activation_checkpointing=checkpointing, loss_chunk_size=chunk))[0]
     assert row["rung"].name == "single"
     states = row["states"]["at_step"]["device"]
-    step = max(row["candidates"]["forward_backward"], row["candidates"]["optimizer_step"])
-    return step - states["params"] - states["optimizer"], row["moment"]
+    return row["candidates"]["forward_backward"] - states["params"] - states["optimizer"], row["moment"]
 
 
 # Each moment of backward the planner knows, reached: (preset, micro-batch, seq) -> {checkpointing: moment}
@@ -353,8 +353,7 @@ def test_planned_peak_matches_the_measured_peak(preset, micro, seq, checkpointin
     the planner's peak (what lives at the largest moment of backward, with the gradients made by
     then) within 10%, at each of its moments (measured: debug 4 x 256 1.000x at the head's backward,
     1.034x with checkpointing at the first block's; tiny 1 x 32, where the gradients outweigh the
-    activations, 0.998x with and without: the last block's moment is the largest of backward's, the
-    step's peak every gradient once backward ends)."""
+    activations, at the last block's: 0.999x, and 1.001x with checkpointing)."""
     torch.manual_seed(0)
     model = build_model(TrainConfig(preset=preset, gradient_checkpointing=checkpointing), 259).train()
     params = list(model.parameters())

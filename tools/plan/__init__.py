@@ -35,7 +35,7 @@ Where the numbers come from
   fallback (e.g. an explicit attention mask) would add O(seq^2) that this does not show.
   With activation checkpointing the probe wraps the layer in the same non-reentrant checkpoint
   that common/model.py enables and measures what it keeps (full: the block's input; selective:
-  also the matmul and attention outputs, common/model.SELECTIVE_SAVED, seen as the storages alive
+  also the matmul and attention outputs, common/model._keeps, seen as the storages alive
   once forward ends); during a block's backward the rest is recomputed (full: all of it).
   --loss_chunk_size: the head is train_extras/chunked_loss.py's own (hidden states kept, one chunk's
   logits alive at a time).

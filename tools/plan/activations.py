@@ -113,15 +113,16 @@ def live_tracker(exclude=(), timeline: bool = False):
 
 def backward_transients(tracker, run, weights) -> tuple[tuple[int, float], ...]:
     """Runs `run` (a backward that accumulates into the `weights`' .grad, as a training step's does)
-    under `tracker`: after each op, the bytes alive beyond those alive when it started (fewer once it
-    frees what forward saved), less the
-    weights' gradients made so far (model states: the planner counts them, on top), beside the share
-    of those gradients made so far. Returns the points no other exceeds on both: (bytes, share)."""
+    under `tracker`: after each op, the bytes alive beyond those alive when it started (negative once
+    it has freed more of what forward saved than it made), less the weights' gradients made so far
+    (model states: the planner counts them, on top), beside the share of those gradients made so
+    far. Returns the points no other exceeds on both: (bytes, share)."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     base, start, tracker.timeline = tracker.live(), len(tracker.snapshots), True
     with tracker:
         run()
+    tracker.timeline = False
     keys = {StorageWeakRef(w.grad.untyped_storage()).cdata for w in weights if w.grad is not None}
     total = sum(w.grad.untyped_storage().nbytes() for w in weights if w.grad is not None) or 1
     points = []
@@ -134,7 +135,7 @@ def backward_transients(tracker, run, weights) -> tuple[tuple[int, float], ...]:
 def frontier(points) -> tuple[tuple[int, float], ...]:
     """The (bytes, share) points that no other point exceeds or equals on both: any later sum
     a * bytes + b * share (a, b >= 0) is largest at one of them."""
-    kept, most = [], -1
+    kept, most = [], float("-inf")  # bytes may be negative: backward frees what forward saved
     for t, f in sorted(set(points), key=lambda p: (-p[1], -p[0])):
         if t > most:
             kept.append((t, f))
@@ -210,7 +211,7 @@ def probe_block(dims: tuple, regime: str, tokens: int, fake: bool = True) -> dic
     saved = activations autograd keeps (rotary cos/sin left out: the model shares them between
     blocks, counted once as `rope`); copies = autocast weight copies it keeps; checkpointed = what
     the block keeps under non-reentrant checkpointing (at ckpt_tokens); selective = what it keeps
-    under train.py's selective checkpointing (common/model.SELECTIVE_SAVED); backward_curve = the
+    under train.py's selective checkpointing (common/model._keeps); backward_curve = the
     bytes of gradients/temporaries on top of the saved ones while the block runs backward, beside the
     share of its weights' gradients made by then (backward_transients); backward_extra = the most of
     those bytes.
@@ -360,9 +361,9 @@ def activation_bytes(shape: ModelShape, regime: str, seq_len: int, micro_batch_s
       backward: the larger of the two moments' transients (never alive together): the head's
                 backward (logits kept + backward_head) runs first; by the blocks' backward the
                 head's tensors are freed (recompute + backward_block)
-      at_head: True when the head's moment is the larger (the peak's moment)
-      peak: what lives at that moment: blocks + rope + the larger of (logits + backward_head) and
-            (recompute + backward_block)
+      at_head, peak: activations alone, no gradient: whether the head's moment holds more than a
+            block's, and what lives then: blocks + rope + the larger of (logits + backward_head) and
+            (recompute + backward_block). The planner's peak is advice.backward_moments', from `moments`
       moments: {head, first_block, last_block}: what lives at each moment of backward, {unit (head |
             block), done (the head's gradients, blocks' gradients complete before it), column (where
             its transient goes: logits | activations), activations, logits, curve ((transient bytes,

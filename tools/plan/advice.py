@@ -47,12 +47,12 @@ MUON_FRAMEWORKS = ("single", "ddp")  # whole matrices on every rank (train_extra
 TIGHT = 0.9  # a peak above this share of the usable GPU memory is printed "tight"
 
 
-def grads_done(shape: ModelShape, head: bool, blocks: int) -> float:
+def grads_done(shape: ModelShape, head: bool, blocks: int, lora: bool = False) -> float:
     """The share of the trained parameters whose gradients exist once backward has run the head (or
     not) and `blocks` blocks: the tail [final norm, lm_head] first (with tied weights the shared
     embedding), block by block from the last, the untied input embedding at the very end. LoRA: the
     adapters sit in the blocks alone (train_extras/lora.py targets their linear layers)."""
-    if shape.lora_params:
+    if lora:
         return blocks / shape.layers
     n = shape.n_params
     per_block = (n - shape.tail_params - (0 if shape.tied else shape.embed_params)) / shape.layers
@@ -67,7 +67,9 @@ def backward_moments(states: dict, act: dict | None, shape: ModelShape | None, a
     FSDP2's shards) count only where backward has made them: those of the units done, and the share
     of the moment's own unit made by each point of its probed curve. With accumulation every
     micro-batch after the first finds them all, and the unit's fresh ones (added into them) come on
-    top. Without a shape: one moment, every gradient, no activations."""
+    top: on one GPU and DDP autograd adds each fresh .grad in and frees it at once, so this
+    over-counts there by up to one unit's gradients, on the safe side. Without a shape: one moment,
+    every gradient, no activations."""
     dev, tr = states["at_step"]["device"], states["transient"]
     growing = sum(t["bytes"] for t in states["terms"] if t.get("grows") and t["location"] == "device")
 
@@ -82,8 +84,9 @@ def backward_moments(states: dict, act: dict | None, shape: ModelShape | None, a
     moments = {}
     for name, m in act["moments"].items():
         head, blocks = m["done"]
-        done = grads_done(shape, head, blocks)
-        unit = grads_done(shape, *((True, blocks) if m["unit"] == "head" else (head, blocks + 1))) - done
+        lora = bool(states["lora_params"])
+        done = grads_done(shape, head, blocks, lora)
+        unit = grads_done(shape, *((True, blocks) if m["unit"] == "head" else (head, blocks + 1)), lora) - done
         points = []
         for transient, share in m["curve"]:
             alive = dict(activations=m["activations"], logits=m["logits"])
