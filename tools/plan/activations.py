@@ -343,8 +343,8 @@ def activation_bytes(shape: ModelShape, regime: str, seq_len: int, micro_batch_s
     linearly (see tools/plan/__init__.py for the O(seq) assumption).
     activation_checkpointing: none | full | selective (or a bool: full or none).
 
-    Returns {activations, blocks, recompute, rope, logits, weight_copies, backward, backward_block,
-    backward_head, at_head, tokens, probe}:
+    Returns {activations, blocks, recompute, rope, logits, weight_copies, backward_block, backward_head,
+    tokens, moments, probe}:
       activations = blocks + recompute + rope
       blocks: what L blocks keep from forward to backward (their saved tensors; with full
               checkpointing their inputs only; selective: inputs, matmul and attention outputs)
@@ -355,15 +355,9 @@ def activation_bytes(shape: ModelShape, regime: str, seq_len: int, micro_batch_s
               with loss_chunk_size, the hidden states the chunks recompute from)
       weight_copies: autocast's low-precision weight copies kept for backward (L blocks' + lm_head;
                    one block's + lm_head's with checkpointing)
-      backward_block: gradients and temporaries alive during the backward of one block
+      backward_block: the most of the gradients and temporaries alive during one block's backward
       backward_head: the same for the head: the logits' gradient (fp32, tokens x vocab, and its cast
                 back to the compute dtype) dominates; with loss_chunk_size, one chunk's
-      backward: the larger of the two moments' transients (never alive together): the head's
-                backward (logits kept + backward_head) runs first; by the blocks' backward the
-                head's tensors are freed (recompute + backward_block)
-      at_head, peak: activations alone, no gradient: whether the head's moment holds more than a
-            block's, and what lives then: blocks + rope + the larger of (logits + backward_head) and
-            (recompute + backward_block). The planner's peak is advice.backward_moments', from `moments`
       moments: {head, first_block, last_block}: what lives at each moment of backward, {unit (head |
             block), done (the head's gradients, blocks' gradients complete before it), column (where
             its transient goes: logits | activations), activations, logits, curve ((transient bytes,
@@ -396,8 +390,6 @@ def activation_bytes(shape: ModelShape, regime: str, seq_len: int, micro_batch_s
     copies = max(kept_copies, block["copies"]) + head["copies"]
     block_curve = tuple((t * tokens / block["tokens"], f) for t, f in block["backward_curve"])
     backward_block = max(t for t, _ in block_curve)
-    at_head = logits + backward_head >= recompute + backward_block
-    peak = blocks + rope + max(logits + backward_head, recompute + backward_block)
     # The moments of backward, in order: the head's, then the first block's (the last in the model,
     # every block's activations still kept), ..., the last block's (block 0: one block's left). What
     # is alive falls linearly from the first block to the last while gradients grow, so the peak of
@@ -414,8 +406,7 @@ def activation_bytes(shape: ModelShape, regime: str, seq_len: int, micro_batch_s
                         weight_copies=block["copies"]))
     return dict(activations=blocks + recompute + rope, blocks=blocks, recompute=recompute, rope=rope,
                 logits=logits, weight_copies=copies, backward_block=backward_block, backward_head=backward_head,
-                backward=backward_head if at_head else backward_block, at_head=at_head, peak=peak, tokens=tokens,
-                moments=moments, probe=dict(block=block, head=head))
+                tokens=tokens, moments=moments, probe=dict(block=block, head=head))
 
 
 def regime_of(rung: Rung, precision: str) -> str:

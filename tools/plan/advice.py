@@ -71,7 +71,8 @@ def backward_moments(states: dict, act: dict | None, shape: ModelShape | None, a
     over-counts there by up to one unit's gradients, on the safe side. Without a shape: one moment,
     every gradient, no activations."""
     dev, tr = states["at_step"]["device"], states["transient"]
-    growing = sum(t["bytes"] for t in states["terms"] if t.get("grows") and t["location"] == "device")
+    growing = sum(t["bytes"] for t in states["terms"] if t["grows"] and t["location"] == "device")
+    lora = bool(states["lora_params"])
 
     def columns(done=1.0, fresh=0.0, weight_copies=0.0, activations=0.0, logits=0.0):
         made = growing * fresh if accumulation > 1 else -growing * (1 - done)
@@ -84,7 +85,6 @@ def backward_moments(states: dict, act: dict | None, shape: ModelShape | None, a
     moments = {}
     for name, m in act["moments"].items():
         head, blocks = m["done"]
-        lora = bool(states["lora_params"])
         done = grads_done(shape, head, blocks, lora)
         unit = grads_done(shape, *((True, blocks) if m["unit"] == "head" else (head, blocks + 1)), lora) - done
         points = []
